@@ -1,0 +1,444 @@
+"""Typed run configuration: YAML -> validated dataclasses, `--set a.b=c` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, missing or out of range."""
+
+
+def F(default: Any, help: str, **kw) -> Any:  # noqa: A002 - `help` reads best in schemas
+    """A schema field with a default and a one-line meaning (used by the config reference)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(
+            default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw
+        )
+    return dataclasses.field(default=default, metadata={"help": help}, **kw)
+
+
+def sub(cls: type, help: str) -> Any:  # noqa: A002
+    """A nested section field."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas
+
+
+@dataclasses.dataclass
+class ModelSection:
+    init: Literal["preset", "hf"] = F("preset", "where the initial weights come from")
+    preset: Literal["tiny", "small", "qwen2_0p5b", "qwen2_1p5b"] = F(
+        "tiny", "model shape when init=preset (random init, then the supervised warm start)"
+    )
+    path: str = F("", "local Hugging Face directory when init=hf")
+    dtype: Literal["float32", "bfloat16"] = F("float32", "compute dtype")
+    param_dtype: Literal["float32", "bfloat16"] = F("float32", "parameter dtype")
+    attention_impl: Literal["xla", "cudnn"] = F("xla", "dot_product_attention implementation")
+    remat: Literal["none", "full", "dots_saveable"] = F(
+        "none", "rematerialisation policy per layer"
+    )
+
+
+@dataclasses.dataclass
+class TaskSection:
+    name: Literal["arithmetic", "countdown", "calculator"] = F("arithmetic", "task to train on")
+    seed: int = F(0, "seed of the task's problem generator (train/eval splits are disjoint)")
+    num_eval: int = F(256, "held-out problems evaluated every eval_every updates")
+    options: dict[str, Any] = F({}, "task-specific keyword arguments (e.g. digits for arithmetic)")
+
+
+@dataclasses.dataclass
+class SFTSection:
+    steps: int = F(150, "supervised warm-start steps before RL (0 = none)")
+    batch_size: int = F(128, "demonstrations per supervised step")
+    lr: float = F(1e-3, "supervised learning rate (AdamW, warmup then cosine)")
+    warmup_steps: int = F(10, "supervised warmup steps")
+
+
+@dataclasses.dataclass
+class VLLMSection:
+    urls: list[str] = F([], "existing vLLM servers to use; empty = launch num_hosts locally")
+    num_hosts: int = F(1, "vLLM servers to launch on this machine when urls is empty")
+    host: str = F("127.0.0.1", "bind address of launched servers")
+    enforce_eager: bool = F(True, "launch with --enforce-eager (faster start on CPU)")
+    ready_timeout_s: float = F(300.0, "deadline for a launched server to become healthy")
+    request_timeout_s: float = F(120.0, "deadline for one generation request")
+    extra_args: list[str] = F([], "extra command-line arguments for launched servers")
+
+
+@dataclasses.dataclass
+class RolloutSection:
+    engine: Literal["jax", "vllm"] = F("jax", "rollout engine")
+    group_size: int = F(8, "samples per prompt (one GRPO group)")
+    prompts_per_update: int = F(32, "groups consumed by one optimizer update")
+    max_new_tokens: int = F(16, "generation budget per turn")
+    temperature: float = F(1.0, "sampling temperature (the learner evaluates at the same one)")
+    top_k: int = F(0, "top-k sampling, 0 = off")
+    top_p: float = F(1.0, "nucleus sampling, 1.0 = off")
+    eval_temperature: float = F(0.0, "temperature of held-out evaluation (0 = greedy)")
+    batch_size: int = F(128, "max sequences the JAX sampler decodes at once")
+    vllm: VLLMSection = sub(VLLMSection, "vLLM hosts (rollout.engine=vllm)")
+
+
+@dataclasses.dataclass
+class AlgorithmSection:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = F("grpo", "advantage estimator")
+    loss: Literal["ppo_clip", "decoupled_ppo", "gspo"] = F("ppo_clip", "policy loss")
+    clip_eps: float = F(0.2, "PPO clip range (low side, and high side unless clip_eps_high)")
+    clip_eps_high: float | None = F(
+        None, "high-side clip range (DAPO clip-higher); null = clip_eps"
+    )
+    dual_clip_c: float | None = F(None, "dual-clip constant for negative advantages; null = off")
+    is_correction: Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq"] = F(
+        "none", "behavior/proximal importance correction (truncated or masked, token or sequence)"
+    )
+    is_cap: float = F(2.0, "cap of the importance correction")
+    decoupled_cap: float | None = F(
+        5.0, "truncation of decoupled PPO's behavior weight; null = off"
+    )
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = F(
+        "token_mean", "how per-token losses are reduced"
+    )
+    loss_norm_const: float = F(16.0, "constant normaliser for seq_mean_token_sum_norm")
+    kl_coef: float = F(0.0, "KL-to-reference coefficient (k3 estimator); 0 = off")
+    filter_zero_advantage: bool = F(True, "drop (and count) groups whose advantages are all zero")
+
+
+@dataclasses.dataclass
+class OptimSection:
+    lr: float = F(3e-4, "peak learning rate of the RL stage")
+    schedule: Literal["constant", "cosine"] = F("constant", "learning-rate schedule after warmup")
+    warmup_steps: int = F(0, "linear warmup updates")
+    weight_decay: float = F(0.0, "AdamW weight decay")
+    b1: float = F(0.9, "Adam beta1")
+    b2: float = F(0.99, "Adam beta2")
+    eps: float = F(1e-8, "Adam epsilon")
+    max_grad_norm: float = F(1.0, "global-norm gradient clipping; 0 = off")
+
+
+@dataclasses.dataclass
+class MeshSection:
+    data: int = F(1, "data-parallel mesh axis size")
+    fsdp: int = F(1, "fully-sharded data-parallel axis size")
+    tensor: int = F(1, "tensor-parallel axis size")
+
+
+@dataclasses.dataclass
+class LearnerSection:
+    mesh: MeshSection = sub(MeshSection, "learner device mesh")
+    micro_batch_size: int = F(
+        0, "sequences per micro-batch (gradient accumulation); 0 = whole batch"
+    )
+    pack: bool = F(False, "pack sequences into rows of pack_length tokens with segment ids")
+    pack_length: int = F(256, "row length of packed batches")
+    minibatches: int = F(1, "optimizer steps per consumed batch (PPO minibatches)")
+    logprob_chunk: int = F(0, "vocab chunk of the log-prob computation; 0 = full vocab at once")
+
+
+@dataclasses.dataclass
+class TrainerSection:
+    mode: Literal["sync", "one_step_off", "async"] = F(
+        "sync", "how generation and training overlap"
+    )
+    total_updates: int = F(40, "optimizer updates of the RL stage")
+    max_staleness: int = F(
+        0, "eta: max versions between a token's policy and the update training it"
+    )
+    sync_every: int = F(1, "publish weights to the rollout engines every this many updates")
+    partial: Literal["drain", "continue"] = F("drain", "in-flight work at a weight update")
+    stale_policy: Literal["keep", "drop"] = F(
+        "keep", "keep finished stale groups, or drop and count"
+    )
+    transport: Literal["local", "ray"] = F("local", "how rollout and learner talk")
+    pin_cores: bool = F(
+        False, "CPU: run rollout and learner in processes pinned to their own cores"
+    )
+    eval_every: int = F(
+        10, "evaluate on the held-out split every this many updates (0 = start/end)"
+    )
+    checkpoint_every: int = F(0, "Orbax checkpoint every this many updates (0 = only at the end)")
+    keep_checkpoints: int = F(2, "checkpoints retained")
+    deadline_s: float = F(600.0, "longest any wait may block before the run fails with an error")
+
+
+@dataclasses.dataclass
+class LoggingSection:
+    tensorboard: bool = F(True, "write tensorboardX event files")
+    progress: bool = F(True, "console progress bar")
+    save_episodes: int = F(4, "episodes per update written to episodes/ for inspection")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    name: str = F("default", "run name; the run directory is <run_root>/<name>")
+    run_root: str = F("runs", "parent directory of run directories")
+    seed: int = F(0, "seed of initialisation, sampling and data order")
+    model: ModelSection = sub(ModelSection, "policy model")
+    task: TaskSection = sub(TaskSection, "task and data")
+    sft: SFTSection = sub(SFTSection, "supervised warm start")
+    rollout: RolloutSection = sub(RolloutSection, "generation")
+    algorithm: AlgorithmSection = sub(AlgorithmSection, "advantages and policy loss")
+    optim: OptimSection = sub(OptimSection, "optimizer of the RL stage")
+    learner: LearnerSection = sub(LearnerSection, "learner layout")
+    trainer: TrainerSection = sub(TrainerSection, "training loop")
+    logging: LoggingSection = sub(LoggingSection, "metrics and logs")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping (section)"
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Checks `value` against type `tp`, converting ints to floats; raises ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in args and type(value) is type(next(a for a in args if a == value)):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"{path}: invalid value {value!r}; valid: {', '.join(map(repr, args))}{hint}"
+        )
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
+        return _build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(f"{path}.{k}", v, args[1]) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected str, got {value!r}")
+    raise TypeError(f"unsupported schema type {tp} at {path}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: unknown key{hint} (valid keys: {', '.join(names)})")
+        kwargs[key] = _coerce(path, value, hints[key])
+    return cls(**kwargs)
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    """Cross-field rules: values that are well-typed but impossible."""
+
+    def positive(path: str, value: float, allow_zero: bool = False) -> None:
+        if value < 0 or (value == 0 and not allow_zero):
+            need = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{path}: invalid value {value!r}; must be {need}")
+
+    positive("rollout.group_size", cfg.rollout.group_size)
+    positive("rollout.prompts_per_update", cfg.rollout.prompts_per_update)
+    positive("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
+    positive("rollout.temperature", cfg.rollout.temperature)
+    positive("rollout.eval_temperature", cfg.rollout.eval_temperature, allow_zero=True)
+    positive("rollout.batch_size", cfg.rollout.batch_size)
+    positive("rollout.top_k", cfg.rollout.top_k, allow_zero=True)
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p: invalid value {cfg.rollout.top_p!r}; must be in (0, 1]")
+    positive("trainer.total_updates", cfg.trainer.total_updates, allow_zero=True)
+    positive("trainer.max_staleness", cfg.trainer.max_staleness, allow_zero=True)
+    positive("trainer.sync_every", cfg.trainer.sync_every)
+    positive("trainer.deadline_s", cfg.trainer.deadline_s)
+    positive("optim.lr", cfg.optim.lr)
+    positive("sft.steps", cfg.sft.steps, allow_zero=True)
+    positive("algorithm.clip_eps", cfg.algorithm.clip_eps)
+    positive("algorithm.is_cap", cfg.algorithm.is_cap)
+    positive("learner.minibatches", cfg.learner.minibatches)
+    positive("learner.micro_batch_size", cfg.learner.micro_batch_size, allow_zero=True)
+    for axis in ("data", "fsdp", "tensor"):
+        positive(f"learner.mesh.{axis}", getattr(cfg.learner.mesh, axis))
+    if cfg.rollout.group_size < 2 and cfg.algorithm.advantage in ("grpo", "dr_grpo", "rloo"):
+        raise ConfigError(
+            f"rollout.group_size: invalid value {cfg.rollout.group_size}; "
+            f"advantage {cfg.algorithm.advantage!r} needs groups of at least 2 samples"
+        )
+    if cfg.trainer.mode == "sync" and cfg.trainer.max_staleness != 0:
+        raise ConfigError(
+            f"trainer.max_staleness: invalid value {cfg.trainer.max_staleness} with trainer.mode "
+            "'sync' (sync is on-policy, staleness 0); use mode 'async' or 'one_step_off'"
+        )
+    if cfg.trainer.mode == "one_step_off" and cfg.trainer.max_staleness not in (0, 1):
+        raise ConfigError(
+            f"trainer.max_staleness: invalid value {cfg.trainer.max_staleness} with trainer.mode "
+            "'one_step_off' (valid: 1); use mode 'async' for larger bounds"
+        )
+    if cfg.model.init == "hf" and not cfg.model.path:
+        raise ConfigError("model.path: missing; required when model.init is 'hf'")
+    if cfg.learner.micro_batch_size:
+        n = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches
+        if n % cfg.learner.micro_batch_size:
+            raise ConfigError(
+                f"learner.micro_batch_size: invalid value {cfg.learner.micro_batch_size}; must "
+                f"divide the minibatch of {n} sequences (prompts_per_update * group_size / "
+                "minibatches)"
+            )
+    n_seq = cfg.rollout.prompts_per_update * cfg.rollout.group_size
+    if n_seq % cfg.learner.minibatches:
+        raise ConfigError(
+            f"learner.minibatches: invalid value {cfg.learner.minibatches}; must divide "
+            f"prompts_per_update * group_size = {n_seq}"
+        )
+
+
+def from_dict(data: dict | None) -> RunConfig:
+    """Validates a nested mapping into a RunConfig."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"<root>: expected a mapping of sections, got {data!r}")
+    cfg = _build(RunConfig, data)
+    _check_ranges(cfg)
+    return cfg
+
+
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parses a --set value by YAML rules (1 -> int, 1e-3 -> float, true -> bool, [a] -> list)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        return float(value)  # YAML 1.1 reads "1e-3" as a string
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Applies `a.b=c` overrides to a nested mapping (returns a new mapping)."""
+    import copy
+
+    data = copy.deepcopy(data or {})
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{key}: {part!r} is not a section (value {nxt!r})")
+            node = nxt
+        node[parts[-1]] = _parse_scalar(text)
+    return data
+
+
+def load(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Loads a YAML config file (or the defaults), applies overrides and validates."""
+    data: dict = {}
+    if path:
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    data = apply_overrides(data, overrides or [])
+    try:
+        return from_dict(data)
+    except ConfigError as e:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{e}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts (for YAML and metrics)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: RunConfig, path: str) -> None:
+    """Writes the resolved config as YAML."""
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def reference_rows(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) for every leaf field of the schema, for the docs."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(reference_rows(tp, path))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()  # type: ignore[misc]
+        rows.append(
+            (
+                path,
+                _type_name(tp),
+                yaml.safe_dump(default).strip().removesuffix("...").strip(),
+                f.metadata.get("help", ""),
+            )
+        )
+    return rows
