@@ -1,0 +1,328 @@
+"""The learner: an nnx model + optax optimizer, a jit-sharded train step with donation,
+micro-batch gradient accumulation, and sequence packing."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models import sharding as msh
+from rl.algorithms import losses as L
+from rl.logprobs import token_logprobs
+from rl.types import Episode, TrainBatch
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def bucket(n: int, multiple: int = 16) -> int:
+    """Rounds n up to a multiple (shape buckets keep the number of compilations small)."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def make_batch(
+    episodes: Sequence[Episode],
+    advantages: Sequence[float],
+    *,
+    num_rows: int | None = None,
+    row_len: int | None = None,
+    pack: bool = False,
+) -> TrainBatch:
+    """Builds a TrainBatch from episodes: one row per episode, or packed rows of `row_len` tokens.
+
+    Rows beyond the episodes are padding (loss mask 0), so batches keep a fixed shape.
+    """
+    lengths = [len(e.tokens) - 1 for e in episodes]
+    if row_len is None:
+        row_len = bucket(max(lengths) if lengths else 1)
+    if max(lengths, default=0) > row_len:
+        raise ValueError(f"episode of {max(lengths)} targets does not fit row_len={row_len}")
+    rows: list[list[int]] = []
+    if pack:  # first-fit decreasing by length
+        space: list[int] = []
+        for i in sorted(range(len(episodes)), key=lambda i: -lengths[i]):
+            for r, free in enumerate(space):
+                if free >= lengths[i]:
+                    rows[r].append(i)
+                    space[r] -= lengths[i]
+                    break
+            else:
+                rows.append([i])
+                space.append(row_len - lengths[i])
+    else:
+        rows = [[i] for i in range(len(episodes))]
+    if num_rows is None:
+        num_rows = len(rows)
+    if len(rows) > num_rows:
+        raise ValueError(f"{len(episodes)} episodes need {len(rows)} rows, batch has {num_rows}")
+    shape = (num_rows, row_len)
+    out = {
+        "inputs": np.zeros(shape, np.int32),
+        "targets": np.zeros(shape, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+        "loss_mask": np.zeros(shape, np.float32),
+        "behavior_logp": np.zeros(shape, np.float32),
+        "advantages": np.zeros(shape, np.float32),
+        "versions": np.full(shape, -1, np.int32),
+    }
+    for r, members in enumerate(rows):
+        col = 0
+        for seg, i in enumerate(members, start=1):
+            e, n = episodes[i], lengths[i]
+            s = slice(col, col + n)
+            out["inputs"][r, s] = e.tokens[:-1]
+            out["targets"][r, s] = e.tokens[1:]
+            out["positions"][r, s] = np.arange(n)
+            out["segment_ids"][r, s] = seg
+            out["loss_mask"][r, s] = e.loss_mask[1:]
+            out["behavior_logp"][r, s] = e.behavior_logp[1:]
+            out["advantages"][r, s] = advantages[i]
+            out["versions"][r, s] = np.where(e.loss_mask[1:] > 0, e.versions[1:], -1)
+            col += n
+    return TrainBatch(**out, num_sequences=len(episodes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer
+
+
+def make_optimizer(
+    lr: float,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    max_grad_norm: float = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with linear warmup then constant or cosine decay, after global-norm clipping."""
+    if schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0, lr, max(warmup_steps, 1) if warmup_steps else 0, max(total_steps, 1), lr * 0.1
+        )
+    elif warmup_steps:
+        sched = optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)],
+            [warmup_steps],
+        )
+    else:
+        sched = optax.constant_schedule(lr)
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learner
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the compiled step (hashable)."""
+
+    loss: str = "ppo_clip"
+    loss_cfg: L.LossConfig = L.LossConfig()
+    temperature: float = 1.0
+    micro_batches: int = 1
+    logprob_chunk: int = 0
+    needs_proximal: bool = False
+
+
+def _batch_sharding(mesh):
+    return msh.logical_sharding(mesh, ("batch", None))
+
+
+class Learner:
+    """Owns the policy and optimizer state on a mesh and applies updates; version = updates."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        mesh=None,
+        step_cfg: StepConfig = StepConfig(),
+        version: int = 0,
+    ):
+        self.mesh = mesh if mesh is not None else msh.make_mesh(devices=jax.devices()[:1])
+        self.step_cfg = step_cfg
+        self.version = version
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.graphdef, state = nnx.split((model, optimizer))
+        # Optimizer moments are zeros_like(param) and keep its sharding; scalars (step counts)
+        # and anything left on a single device are replicated over the mesh.
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+        def place(x):
+            if isinstance(x, jax.Array) and not isinstance(x.sharding, jax.sharding.NamedSharding):
+                return jax.device_put(x, replicated)
+            return x
+
+        self.state = jax.tree.map(place, state)
+        self.state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
+        self._train = self._compile_train(step_cfg)
+        self._logp = None
+        self.compile_count = 0
+
+    # -- model access ---------------------------------------------------------------------
+    @property
+    def model(self) -> nnx.Module:
+        """The current model (a view that shares the learner's arrays)."""
+        model, _ = nnx.merge(self.graphdef, self.state)
+        return model
+
+    def params(self) -> nnx.State:
+        """The current parameters (nnx.Param state)."""
+        return nnx.state(self.model, nnx.Param)
+
+    # -- compiled functions ---------------------------------------------------------------
+    def _compile_train(self, cfg: StepConfig):
+        graphdef = self.graphdef
+        batch_sharding = _batch_sharding(self.mesh)
+
+        def policy_logp(model, b):
+            h = model.hidden_states(b["inputs"], b["positions"], b["segment_ids"])
+            return token_logprobs(
+                h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
+            )
+
+        def loss_fn(model, b, num_tokens, num_seqs):
+            logp, entropy = policy_logp(model, b)
+            if cfg.loss == "sft":
+                m = b["loss_mask"]
+                loss = -(logp * m).sum() / jnp.maximum(num_tokens, 1.0)
+                metrics = {"loss": loss}
+            else:
+                prox = b.get("proximal_logp")
+                if prox is None and cfg.needs_proximal:
+                    prox = jax.lax.stop_gradient(logp)  # one minibatch: params at update start
+                inputs = L.LossInputs(
+                    logp=logp,
+                    behavior_logp=b["behavior_logp"],
+                    advantages=b["advantages"],
+                    mask=b["loss_mask"],
+                    proximal_logp=prox,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                )
+                loss, metrics = L.compute_loss(cfg.loss, inputs, cfg.loss_cfg)
+            m = b["loss_mask"]
+            metrics["entropy"] = (jax.lax.stop_gradient(entropy) * m).sum()
+            metrics["logp_sum"] = (jax.lax.stop_gradient(logp) * m).sum()
+            return loss, metrics
+
+        def step(state, batch):
+            model, optimizer = nnx.merge(graphdef, state)
+            m = batch["loss_mask"]
+            num_tokens = m.sum()
+            num_seqs = (m.sum(-1) > 0).sum().astype(jnp.float32)
+            n_micro = cfg.micro_batches
+            micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
+            model_def, params, rest = nnx.split(model, nnx.Param, ...)
+
+            def grad_one(b):
+                def f(p):
+                    return loss_fn(nnx.merge(model_def, p, rest), b, num_tokens, num_seqs)
+
+                (loss, met), g = jax.value_and_grad(f, has_aux=True)(params)
+                return loss, met, g
+
+            if n_micro == 1:
+                loss, met, grads = grad_one(jax.tree.map(lambda x: x[0], micro))
+            else:
+
+                def acc(carry, b):
+                    loss, met, g = grad_one(b)
+                    carry = jax.tree.map(jnp.add, carry, (loss, met, g))
+                    return carry, None
+
+                zeros = jax.tree.map(
+                    jnp.zeros_like, jax.eval_shape(grad_one, jax.tree.map(lambda x: x[0], micro))
+                )
+                (loss, met, grads), _ = jax.lax.scan(acc, zeros, micro)
+                # Each micro loss is normalised by the GLOBAL counts, so sums are exact; the
+                # per-micro metrics that are means are averaged.
+                met = {
+                    k: (v if k in ("entropy", "logp_sum", "num_tokens") else v / n_micro)
+                    for k, v in met.items()
+                }
+                met["loss"] = loss
+            grad_norm = optax.global_norm(grads)
+            optimizer.update(model, grads)
+            met["grad_norm"] = grad_norm
+            met["entropy"] = met["entropy"] / jnp.maximum(num_tokens, 1.0)
+            met["logp_mean"] = met.pop("logp_sum") / jnp.maximum(num_tokens, 1.0)
+            return nnx.state((model, optimizer)), met
+
+        return jax.jit(
+            step,
+            in_shardings=(self.state_sharding, batch_sharding),
+            out_shardings=(self.state_sharding, None),
+            donate_argnums=(0,),
+        )
+
+    def _compile_logp(self):
+        graphdef = self.graphdef
+        cfg = self.step_cfg
+
+        def logp(state, b):
+            model, _ = nnx.merge(graphdef, state)
+            h = model.hidden_states(b["inputs"], b["positions"], b["segment_ids"])
+            return token_logprobs(
+                h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
+            )[0]
+
+        return jax.jit(logp, in_shardings=(self.state_sharding, _batch_sharding(self.mesh)))
+
+    # -- public ---------------------------------------------------------------------------
+    def _device_batch(self, batch: TrainBatch | dict) -> dict:
+        arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
+        arrays.pop("versions", None)
+        return jax.device_put(arrays, _batch_sharding(self.mesh))
+
+    def logprobs(self, batch: TrainBatch) -> np.ndarray:
+        """log p(target) [B, T] under the current params (at the learner's temperature)."""
+        if self._logp is None:
+            self._logp = self._compile_logp()
+        return np.asarray(self._logp(self.state, self._device_batch(batch)))
+
+    def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
+        """One policy update on a batch (split into `minibatches` optimizer steps)."""
+        t0 = time.perf_counter()
+        arrays = self._device_batch(batch)
+        if self.step_cfg.needs_proximal and minibatches > 1:
+            arrays["proximal_logp"] = jnp.asarray(self.logprobs(batch))
+        B = arrays["inputs"].shape[0]
+        if B % minibatches:
+            raise ValueError(f"batch of {B} rows does not split into {minibatches} minibatches")
+        per = B // minibatches
+        metrics: dict[str, float] = {}
+        for i in range(minibatches):
+            mb = jax.tree.map(lambda x, i=i: x[i * per : (i + 1) * per], arrays)
+            self.state, met = self._train(self.state, mb)
+            for k, v in met.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches
+        self.version += 1
+        metrics["timing/train_step"] = time.perf_counter() - t0
+        return metrics
+
+    def set_step_cfg(self, cfg: StepConfig) -> None:
+        """Switches the compiled step (e.g. from the supervised stage to RL)."""
+        self.step_cfg = cfg
+        self._train = self._compile_train(cfg)
+        self._logp = None
+
+    def reset_optimizer(self, tx: optax.GradientTransformation) -> None:
+        """Replaces the optimizer (fresh moments), keeping params and version."""
+        self.__init__(self.model, tx, mesh=self.mesh, step_cfg=self.step_cfg, version=self.version)
