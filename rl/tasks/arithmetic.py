@@ -1,0 +1,79 @@
+"""Multi-digit integer arithmetic: prompt "12+34=", completion "<answer>46</answer>"."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import ClassVar
+
+from rl.tasks.base import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    ZERO,
+    Problem,
+    RewardResult,
+    as_tuple,
+    check_common,
+    extract_answer,
+    parse_int,
+    sample_problems,
+    score,
+)
+
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def operand_range(digits: int) -> tuple[int, int]:
+    """Inclusive range of numbers with exactly `digits` digits (1 digit: 0..9)."""
+    return (0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+    """a OP b with `digits`-digit operands, OP drawn uniformly from `ops`."""
+
+    digits: int = 2
+    ops: tuple[str, ...] = ("+",)
+    seed: int = 0
+    eval_fraction: float = 0.1
+    format_reward: float = 0.1
+
+    name: ClassVar[str] = "arithmetic"
+    max_turns: ClassVar[int] = 1
+    stop_texts: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        as_tuple(self, "ops")
+        check_common(self)
+        if not (isinstance(self.digits, int) and 1 <= self.digits <= 9):
+            raise ValueError(f"arithmetic: digits must be an int in 1..9, got {self.digits!r}")
+        bad = [op for op in self.ops if op not in OPS]
+        if not self.ops or bad:
+            raise ValueError(f"arithmetic: ops {self.ops!r} invalid; choose from {tuple(OPS)}")
+
+    def _draw(self, rng: random.Random) -> tuple[str, str, str, dict]:
+        lo, hi = operand_range(self.digits)
+        op = rng.choice(self.ops)
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        key = f"{a}{op}{b}"
+        return key, key + "=", str(OPS[op](a, b)), {"a": a, "b": b, "op": op}
+
+    def problems(self, split: str, n: int) -> list[Problem]:
+        """n problems of split ('train' | 'eval'); deterministic from the seed."""
+        return sample_problems(self.name, self.seed, split, n, self.eval_fraction, self._draw)
+
+    def reward(self, problem: Problem, completion: str) -> RewardResult:
+        """1.0 for the right integer in <answer></answer>, format_reward for another integer."""
+        content = extract_answer(completion)
+        value = None if content is None else parse_int(content)
+        if value is None:
+            return ZERO
+        return score(value == int(problem.answer), True, self.format_reward)
+
+    def demonstration(self, problem: Problem) -> str:
+        """The correct completion (eos not included)."""
+        return f"{ANSWER_OPEN}{problem.answer}{ANSWER_CLOSE}"
+
+    def env_step(self, problem: Problem, transcript: str) -> str | None:
+        """Single turn: the episode ends after the model's first turn."""
+        return None

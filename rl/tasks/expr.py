@@ -1,0 +1,178 @@
+"""A safe evaluator for integer arithmetic expressions (+ - * / parentheses), exact as Fractions.
+
+Hand-written recursive descent over a fixed alphabet; nothing is ever passed to eval/exec.
+Every input is bounded: length, nesting depth, literal digits and the size of every
+intermediate numerator and denominator, so evaluation is fast on any input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+ALLOWED_CHARS = frozenset("0123456789+-*/() \t\n")
+DIGITS = frozenset("0123456789")
+WHITESPACE = frozenset(" \t\n")
+
+
+class ExprError(ValueError):
+    """An expression that is not valid or not allowed; `kind` names the category."""
+
+    kind = "invalid"
+
+
+class ExprSyntaxError(ExprError):
+    """Malformed expression or a character/operator outside the grammar."""
+
+    kind = "syntax"
+
+
+class ExprLimitError(ExprError):
+    """Too long, too deep, or a number too large."""
+
+    kind = "limit"
+
+
+class ExprZeroDivisionError(ExprError):
+    """Division by zero."""
+
+    kind = "division by zero"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on an expression; every one is checked before it can cost time."""
+
+    max_len: int = 200  # characters
+    max_depth: int = 32  # nested parentheses and unary signs
+    max_digits: int = 12  # digits in one integer literal
+    max_abs: int = 10**18  # bound on |numerator| and denominator of every intermediate value
+    allow_unary: bool = True  # leading + / - signs
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _tokenize(text: str, limits: Limits) -> list[str]:
+    if len(text) > limits.max_len:
+        raise ExprLimitError(f"expression has {len(text)} characters; at most {limits.max_len}")
+    for c in text:
+        if c not in ALLOWED_CHARS:
+            raise ExprSyntaxError(f"character {c!r} is not allowed; valid: digits, + - * / ( )")
+    if "**" in text:
+        raise ExprSyntaxError("exponentiation (**) is not allowed")
+    if "//" in text:
+        raise ExprSyntaxError("floor division (//) is not allowed; use /")
+    tokens, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c in WHITESPACE:
+            i += 1
+        elif c in DIGITS:
+            j = i
+            while j < len(text) and text[j] in DIGITS:
+                j += 1
+            if j - i > limits.max_digits:
+                raise ExprLimitError(f"number with {j - i} digits; at most {limits.max_digits}")
+            tokens.append(text[i:j])
+            i = j
+        else:
+            tokens.append(c)
+            i += 1
+    return tokens
+
+
+class _Parser:
+    """expr := term (('+'|'-') term)* ; term := unary (('*'|'/') unary)* ;
+    unary := ('+'|'-') unary | atom ; atom := INT | '(' expr ')'."""
+
+    def __init__(self, tokens: list[str], limits: Limits):
+        self.tokens, self.pos, self.limits = tokens, 0, limits
+        self.numbers: list[int] = []
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> str:
+        tok = self.peek()
+        if tok is None:
+            raise ExprSyntaxError("unexpected end of expression")
+        self.pos += 1
+        return tok
+
+    def check(self, x: Fraction) -> Fraction:
+        m = self.limits.max_abs
+        if abs(x.numerator) > m or x.denominator > m:
+            raise ExprLimitError(f"intermediate value exceeds {m} in numerator or denominator")
+        return x
+
+    def expr(self, depth: int) -> Fraction:
+        value = self.term(depth)
+        while self.peek() in ("+", "-"):
+            op = self.take()
+            rhs = self.term(depth)
+            value = self.check(value + rhs if op == "+" else value - rhs)
+        return value
+
+    def term(self, depth: int) -> Fraction:
+        value = self.unary(depth)
+        while self.peek() in ("*", "/"):
+            op = self.take()
+            rhs = self.unary(depth)
+            if op == "*":
+                value = self.check(value * rhs)
+            elif rhs == 0:
+                raise ExprZeroDivisionError("division by zero")
+            else:
+                value = self.check(value / rhs)
+        return value
+
+    def unary(self, depth: int) -> Fraction:
+        if depth >= self.limits.max_depth:
+            raise ExprLimitError(f"nesting deeper than {self.limits.max_depth}")
+        tok = self.peek()
+        if tok in ("+", "-"):
+            if not self.limits.allow_unary:
+                raise ExprSyntaxError(f"unary {tok!r} is not allowed here")
+            self.take()
+            value = self.unary(depth + 1)
+            return -value if tok == "-" else value
+        return self.atom(depth)
+
+    def atom(self, depth: int) -> Fraction:
+        tok = self.take()
+        if tok == "(":
+            value = self.expr(depth + 1)
+            if self.take() != ")":
+                raise ExprSyntaxError("expected ')'")
+            return value
+        if tok[0] in DIGITS:
+            n = int(tok)
+            self.numbers.append(n)
+            return self.check(Fraction(n))
+        raise ExprSyntaxError(f"unexpected token {tok!r}")
+
+
+def evaluate_with_numbers(
+    text: str, limits: Limits = DEFAULT_LIMITS
+) -> tuple[Fraction, tuple[int, ...]]:
+    """Exact value of an integer expression and its integer literals in order; raises ExprError."""
+    if not isinstance(text, str):
+        raise ExprSyntaxError(f"expression must be a str, got {type(text).__name__}")
+    parser = _Parser(_tokenize(text, limits), limits)
+    if not parser.tokens:
+        raise ExprSyntaxError("empty expression")
+    value = parser.expr(0)
+    if parser.peek() is not None:
+        raise ExprSyntaxError(f"unexpected token {parser.peek()!r} after a complete expression")
+    return value, tuple(parser.numbers)
+
+
+def evaluate(text: str, limits: Limits = DEFAULT_LIMITS) -> Fraction:
+    """Exact value of an integer expression with + - * / and parentheses; raises ExprError."""
+    return evaluate_with_numbers(text, limits)[0]
+
+
+def format_value(x: Fraction) -> str:
+    """An exact value as text: '12', '-3' or '7/2'."""
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
