@@ -1,0 +1,447 @@
+"""Metrics: aggregation helpers, the metrics.jsonl + tensorboardX writer, console progress.
+
+`runs/<name>/metrics.jsonl` holds one JSON object per line, always with `step` (optimizer
+updates applied), `version` (policy version) and `time` (seconds since the run started,
+monotone across resumes), plus metrics whose names are namespaced with `/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+RESERVED_KEYS = ("step", "version", "time")
+MAX_STALENESS_BIN = 8  # staleness/frac_0 .. frac_8, plus frac_gt8
+
+# Metric names the progress bar, the analysis plots and the trainer agree on.
+REWARD = "reward/mean"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_REWARD = "eval/reward"
+TOKENS_PER_S = "throughput/tokens_per_s"
+WEIGHT_SYNC = "timing/weight_sync"
+IDLE_LEARNER = "idle/learner"
+IDLE_ROLLOUT = "idle/rollout"
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _finite_1d(values: Any) -> np.ndarray:
+    """Values flattened to float64 with non-finite entries removed."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    return x[np.isfinite(x)]
+
+
+def summarize(name: str, values: Any) -> dict[str, float]:
+    """`name/mean`, `name/min`, `name/max`, `name/std` (population std) of the finite values."""
+    x = _finite_1d(values)
+    if x.size == 0:
+        return {f"{name}/{k}": math.nan for k in ("mean", "min", "max", "std")}
+    return {
+        f"{name}/mean": float(x.mean()),
+        f"{name}/min": float(x.min()),
+        f"{name}/max": float(x.max()),
+        f"{name}/std": float(x.std()),
+    }
+
+
+def histogram_counts(values: Any, bins: int | Iterable[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(counts int64 [nbins], edges float64 [nbins+1]) of the finite values, np.histogram bins."""
+    x = _finite_1d(values)
+    if isinstance(bins, (int, np.integer)):
+        if bins < 1:
+            raise ValueError(f"bins={bins}: need at least 1 bin (or a sequence of edges)")
+        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 1.0)
+        counts, edges = np.histogram(x, bins=int(bins), range=(lo, hi) if hi > lo else None)
+    else:
+        edges_in = np.asarray(list(bins), dtype=np.float64)
+        if edges_in.ndim != 1 or edges_in.size < 2 or np.any(np.diff(edges_in) <= 0):
+            raise ValueError(f"bins={edges_in.tolist()}: edges must be >= 2 increasing numbers")
+        counts, edges = np.histogram(x, bins=edges_in)
+    return counts.astype(np.int64), edges.astype(np.float64)
+
+
+def staleness_metrics(token_staleness: Any, mask: Any = None) -> dict[str, float]:
+    """Per-token staleness (versions) -> mean, max, p50, p90 and fractions at 0..8 and >8.
+
+    `token_staleness` is integer staleness per trained token (any shape); `mask` (same shape,
+    optional) selects the trained tokens. Fractions `staleness/frac_k` sum to 1 together with
+    `staleness/frac_gt8`. With no tokens every value is NaN (logged as null).
+    """
+    s = np.asarray(token_staleness)
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.shape != s.shape:
+            raise ValueError(f"mask shape {m.shape} != token_staleness shape {s.shape}")
+        s = s[m.astype(bool)]
+    s = s.reshape(-1)
+    if s.size and not np.issubdtype(s.dtype, np.integer):
+        if not np.all(np.isfinite(s)) or np.any(s != np.round(s)):
+            raise ValueError(f"token_staleness must be whole numbers of versions, got {s[:8]}")
+    s = s.astype(np.int64)
+    keys = [f"staleness/frac_{k}" for k in range(MAX_STALENESS_BIN + 1)]
+    keys.append(f"staleness/frac_gt{MAX_STALENESS_BIN}")
+    if s.size == 0:
+        out = {f"staleness/{k}": math.nan for k in ("mean", "max", "p50", "p90")}
+        out.update({k: math.nan for k in keys})
+        return out
+    if s.min() < 0:
+        raise ValueError(
+            f"negative staleness {int(s.min())}: a token's version is newer than the update "
+            "training it (staleness = v - token_version must be >= 0)"
+        )
+    counts = np.bincount(np.minimum(s, MAX_STALENESS_BIN + 1), minlength=MAX_STALENESS_BIN + 2)
+    out = {
+        "staleness/mean": float(s.mean()),
+        "staleness/max": float(s.max()),
+        "staleness/p50": float(np.percentile(s, 50)),
+        "staleness/p90": float(np.percentile(s, 90)),
+    }
+    out.update({k: float(c) / s.size for k, c in zip(keys, counts)})
+    return out
+
+
+class Timer:
+    """Accumulates named wall-clock sections; `pop()` returns `timing/<name>` seconds and resets.
+
+    Usage: `with timer("weight_sync"): ...`. Thread-safe; repeated sections add up.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        """Time the body under `name`."""
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self.add(name, self._clock() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add externally measured seconds to `name`."""
+        with self._lock:
+            self._totals[name] = self._totals.get(name, 0.0) + float(seconds)
+
+    def metrics(self) -> dict[str, float]:
+        """Accumulated seconds per section as `timing/<name>`, without resetting."""
+        with self._lock:
+            return {f"timing/{k}": v for k, v in self._totals.items()}
+
+    def pop(self) -> dict[str, float]:
+        """Accumulated seconds per section as `timing/<name>`; then start from zero."""
+        with self._lock:
+            out = {f"timing/{k}": v for k, v in self._totals.items()}
+            self._totals.clear()
+            return out
+
+
+class IdleTracker:
+    """Fraction of wall time a component spent waiting, per window: `idle/<name>`.
+
+    Wrap every blocking wait in `with tracker.waiting(): ...`; `pop()` returns the idle
+    fraction since the previous pop (a wait still in progress counts up to now). With
+    `workers` > 1 concurrent waiters, the fraction is waiting-worker-seconds / (workers * wall).
+    """
+
+    def __init__(self, name: str, *, workers: int = 1, clock: Callable[[], float] = time.monotonic):
+        if workers < 1:
+            raise ValueError(f"workers={workers}: must be >= 1")
+        self.name = name
+        self.workers = workers
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window_start = clock()
+        self._waited = 0.0  # worker-seconds in finished waits (this window)
+        self._active = 0  # workers waiting right now
+        self._active_since = self._window_start  # last time `_active` changed or window began
+
+    def _settle(self, now: float) -> None:
+        self._waited += self._active * (now - self._active_since)
+        self._active_since = now
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the body as idle time."""
+        with self._lock:
+            self._settle(self._clock())
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._settle(self._clock())
+                self._active -= 1
+
+    def add(self, seconds: float) -> None:
+        """Add idle worker-seconds measured elsewhere (e.g. reported by another process)."""
+        with self._lock:
+            self._waited += float(seconds)
+
+    def fraction(self) -> float:
+        """Idle fraction of the current window so far (NaN for an empty window)."""
+        with self._lock:
+            now = self._clock()
+            self._settle(now)
+            wall = (now - self._window_start) * self.workers
+            return min(1.0, self._waited / wall) if wall > 0 else math.nan
+
+    def pop(self) -> dict[str, float]:
+        """`{"idle/<name>": fraction}` for the window since the last pop; starts a new window."""
+        with self._lock:
+            now = self._clock()
+            self._settle(now)
+            wall = (now - self._window_start) * self.workers
+            frac = min(1.0, self._waited / wall) if wall > 0 else math.nan
+            self._window_start = now
+            self._waited = 0.0
+        return {f"idle/{self.name}": frac}
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL + tensorboard writer
+
+
+def _to_number(key: str, value: Any) -> float | int | None:
+    """A metric value as a JSON number (None for non-finite); numpy/jax scalars unwrapped."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # 0-d / size-1 np or jax arrays
+        arr = np.asarray(value)
+        if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+            return _to_number(key, arr.reshape(()).item())
+        raise ValueError(f"metric {key!r}: expected a scalar, got array of shape {arr.shape}")
+    raise TypeError(f"metric {key!r}: expected int or float, got {type(value).__name__} {value!r}")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Parse a metrics.jsonl file; a torn (unparseable) last line is ignored."""
+    lines = Path(path).read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break  # a line torn by a crash mid-write
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e}): {line[:200]!r}") from e
+    return out
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _fmt_value(v: float | None, spec: str) -> str:
+    return "-" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+class MetricsWriter:
+    """Writes metrics.jsonl (one flushed line per `log`), tensorboardX scalars and progress.
+
+    `resume`: False starts a fresh file (an existing one is replaced); True appends after the
+    existing lines; an int `s` (the step of the restored checkpoint) drops every line with
+    step > s first. On resume `time` continues from the last kept line. The console shows a
+    progress bar when `progress` is on and stderr is a TTY, else one compact line every
+    `print_every` updates (None: about 20 lines per run; 0: silent).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        progress: bool = True,
+        total_updates: int | None = None,
+        resume: bool | int = False,
+        print_every: int | None = None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.total_updates = total_updates
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stream = stream if stream is not None else sys.stderr
+
+        resume_step = self._prepare_file(resume)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # lazy: optional on the GPU machine
+
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge, flush_secs=10)
+
+        isatty = getattr(self._stream, "isatty", None)
+        self._bar = bool(progress and isatty is not None and isatty())
+        if print_every is None:
+            print_every = max(1, (total_updates or 200) // 20)
+        if print_every < 0:
+            raise ValueError(f"print_every={print_every}: must be >= 0 (0 = no console lines)")
+        self._print_every = print_every
+        self._first_step: int | None = None
+        self._last: dict[str, float] = {}
+        self._bar_open = False
+        self._closed = False
+        self._start = clock()  # after the tensorboardX import, which alone can take a second
+
+    def _prepare_file(self, resume: bool | int) -> int | None:
+        """Apply the resume policy to an existing file; set the time offset. Returns step cut."""
+        self._time_offset = 0.0
+        if resume is False or not self.path.exists():
+            if resume is False and self.path.exists():
+                self.path.unlink()
+            return None if isinstance(resume, bool) else int(resume)
+        rows = read_metrics(self.path)
+        cut = None
+        if not isinstance(resume, bool):
+            cut = int(resume)
+            if cut < 0:
+                raise ValueError(f"resume={resume}: a resumed step must be >= 0")
+            rows = [r for r in rows if r["step"] <= cut]
+        # Rewrite atomically: keeps the kept lines exactly and removes a torn last line.
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        if rows:
+            self._time_offset = max(float(r.get("time") or 0.0) for r in rows)
+        return cut
+
+    def elapsed(self) -> float:
+        """Seconds since the run started (continuing across resumes)."""
+        return self._time_offset + (self._clock() - self._start)
+
+    def log(self, step: int, version: int, metrics: Mapping[str, Any]) -> None:
+        """Append one line {step, version, time, **metrics}; flush; mirror to tensorboard."""
+        row: dict[str, Any] = {"step": int(step), "version": int(version)}
+        values: dict[str, float | int | None] = {}
+        for key, value in metrics.items():
+            if not isinstance(key, str) or "/" not in key.strip("/"):
+                raise ValueError(
+                    f"metric name {key!r} must be namespaced with '/' (e.g. 'reward/mean')"
+                )
+            if key in RESERVED_KEYS:
+                raise ValueError(f"metric name {key!r} is reserved ({RESERVED_KEYS})")
+            values[key] = _to_number(key, value)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"MetricsWriter for {self.run_dir} is closed")
+            row["time"] = round(self.elapsed(), 6)
+            row.update(values)
+            self._file.write(json.dumps(row, allow_nan=False) + "\n")
+            self._file.flush()
+            if self._tb is not None:
+                for key, v in values.items():
+                    if v is not None:
+                        self._tb.add_scalar(key, v, global_step=row["step"])
+                self._tb.add_scalar("version", row["version"], global_step=row["step"])
+            self._progress(row)
+
+    def log_histogram(self, step: int, name: str, values: Any) -> None:
+        """Write a tensorboard histogram (e.g. per-token staleness); no-op without tensorboard."""
+        if self._tb is None:
+            return
+        x = _finite_1d(values)
+        if x.size == 0:
+            return
+        with self._lock:
+            self._tb.add_histogram(name, x, global_step=int(step))
+
+    # -- console ------------------------------------------------------------------------------
+
+    def _progress(self, row: dict[str, Any]) -> None:
+        for key in (REWARD, EVAL_ACCURACY, TOKENS_PER_S):
+            if row.get(key) is not None:
+                self._last[key] = row[key]
+        step = row["step"]
+        if self._first_step is None:
+            self._first_step = step
+            self._first_time = row["time"]
+        if self._bar:
+            self._stream.write("\r\x1b[2K" + self._status_line(step, row["time"], bar=True))
+            self._bar_open = True
+            if self.total_updates is not None and step >= self.total_updates:
+                self._stream.write("\n")
+                self._bar_open = False
+            self._stream.flush()
+        elif self._print_every and (
+            step % self._print_every == 0
+            or (self.total_updates is not None and step >= self.total_updates)
+        ):
+            self._stream.write("[tandem] " + self._status_line(step, row["time"]) + "\n")
+            self._stream.flush()
+
+    def _status_line(self, step: int, now: float, bar: bool = False) -> str:
+        n = self.total_updates
+        done = step - self._first_step
+        rate = done / (now - self._first_time) if done > 0 and now > self._first_time else 0.0
+        eta = (n - step) / rate if n is not None and rate > 0 else math.nan
+        head = f"update {step}/{n}" if n is not None else f"update {step}"
+        if n and bar:
+            frac = min(1.0, max(0.0, step / n))
+            filled = int(round(20 * frac))
+            head = f"[{'#' * filled}{'.' * (20 - filled)}] " + head
+        return (
+            f"{head} | reward {_fmt_value(self._last.get(REWARD), '.3f')}"
+            f" | eval {_fmt_value(self._last.get(EVAL_ACCURACY), '.3f')}"
+            f" | tok/s {_fmt_value(self._last.get(TOKENS_PER_S), '.4g')}"
+            f" | {_fmt_duration(now)} elapsed | eta {_fmt_duration(eta)}"
+        )
+
+    def close(self) -> None:
+        """Flush and close the JSONL file and the tensorboard writer."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._bar_open:
+                self._stream.write("\n")
+                self._stream.flush()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

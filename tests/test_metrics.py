@@ -1,0 +1,308 @@
+"""metrics.jsonl format, resume, tensorboard events, aggregation helpers, progress output."""
+
+import io
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from rl import metrics as M
+
+
+class FakeClock:
+    """A clock the test advances by hand."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def strict_rows(path):
+    """Parse JSONL refusing NaN/Infinity tokens (they are not valid JSON)."""
+
+    def bad(token):
+        raise AssertionError(f"non-JSON constant {token} in {path}")
+
+    return [json.loads(line, parse_constant=bad) for line in path.read_text().splitlines()]
+
+
+def tb_events(run_dir):
+    """Decode every Event record of every tfevents file (TFRecord framing, parsed by hand)."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for f in sorted(run_dir.glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            ev = event_pb2.Event()
+            ev.ParseFromString(data[i + 12 : i + 12 + n])
+            events.append(ev)
+            i += 12 + n + 4
+    return events
+
+
+def make_writer(tmp_path, clock, **kw):
+    kw.setdefault("tensorboard", False)
+    kw.setdefault("progress", False)
+    kw.setdefault("stream", io.StringIO())
+    return M.MetricsWriter(tmp_path, clock=clock, **kw)
+
+
+def test_jsonl_lines_keys_types_and_flush(tmp_path):
+    clock = FakeClock()
+    w = make_writer(tmp_path, clock)
+    clock.t += 1.5
+    w.log(0, 0, {"reward/mean": np.float32(0.25), "eval/accuracy": 0.5, "count/groups": 4})
+    # Flushed per line: readable while the writer is still open.
+    assert strict_rows(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "version": 0, "time": 1.5, "reward/mean": 0.25, "eval/accuracy": 0.5,
+         "count/groups": 4}
+    ]  # fmt: skip
+    clock.t += 2.0
+    w.log(1, 1, {"reward/mean": 0.75, "count/groups": np.int64(7), "flag/on": np.bool_(True)})
+    w.close()
+    rows = strict_rows(tmp_path / "metrics.jsonl")
+    assert list(rows[1]) == ["step", "version", "time", "reward/mean", "count/groups", "flag/on"]
+    assert rows[1]["time"] == 3.5
+    assert type(rows[1]["count/groups"]) is int and rows[1]["count/groups"] == 7
+    assert rows[1]["flag/on"] == 1
+
+
+def test_nonfinite_values_are_null(tmp_path):
+    w = make_writer(tmp_path, FakeClock())
+    w.log(3, 2, {"a/nan": float("nan"), "a/inf": np.inf, "a/ninf": np.float64(-np.inf),
+                 "a/none": None, "a/ok": 1.0})  # fmt: skip
+    w.close()
+    (row,) = strict_rows(tmp_path / "metrics.jsonl")
+    assert row["a/nan"] is None and row["a/inf"] is None and row["a/ninf"] is None
+    assert row["a/none"] is None and row["a/ok"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "metrics, match",
+    [
+        ({"loss": 1.0}, "namespaced"),
+        ({"reward/": 1.0}, "namespaced"),
+        ({"reward/mean": "high"}, "expected int or float"),
+        ({"reward/mean": np.ones(3)}, "shape"),
+    ],
+)
+def test_bad_metrics_are_rejected_with_the_key(tmp_path, metrics, match):
+    w = make_writer(tmp_path, FakeClock())
+    with pytest.raises((ValueError, TypeError), match=match):
+        w.log(0, 0, metrics)
+    w.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_resume_truncates_later_steps_and_time_stays_monotone(tmp_path):
+    clock = FakeClock()
+    w = make_writer(tmp_path, clock)
+    for step in range(6):
+        clock.t += 10.0
+        w.log(step, step, {"reward/mean": step / 10})
+    w.close()
+    # A crash tore the last line mid-write.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "vers')
+
+    clock2 = FakeClock(5.0)  # a new process: its clock has nothing to do with the old one
+    w = make_writer(tmp_path, clock2, resume=3)
+    rows = strict_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["time"] == 40.0
+    clock2.t += 2.0
+    w.log(4, 4, {"reward/mean": 0.4})
+    w.close()
+    rows = strict_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[-1]["time"] == 42.0
+    times = [r["time"] for r in rows]
+    assert times == sorted(times)
+
+
+def test_resume_true_appends_and_fresh_start_replaces(tmp_path):
+    clock = FakeClock()
+    w = make_writer(tmp_path, clock)
+    clock.t += 3.0
+    w.log(0, 0, {"reward/mean": 0.0})
+    w.close()
+    w = make_writer(tmp_path, FakeClock(0.0), resume=True)
+    w.log(1, 1, {"reward/mean": 1.0})
+    w.close()
+    rows = strict_rows(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["time"]) for r in rows] == [(0, 3.0), (1, 3.0)]
+    w = make_writer(tmp_path, FakeClock(0.0), resume=False)
+    w.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        make_writer(tmp_path, FakeClock(), resume=True)
+
+
+def test_tensorboard_scalars_and_histogram_written(tmp_path):
+    w = make_writer(tmp_path, FakeClock(), tensorboard=True)
+    w.log(1, 1, {"reward/mean": 0.5, "x/null": float("nan")})
+    w.log(2, 2, {"reward/mean": 0.75})
+    w.log_histogram(2, "staleness/tokens", np.array([0, 0, 1, 3]))
+    w.close()
+    files = list(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    scalars = {}
+    hist = None
+    for ev in tb_events(tmp_path):
+        for v in ev.summary.value:
+            if v.HasField("histo"):
+                hist = (ev.step, v.tag, v.histo)
+            else:
+                scalars[(v.tag, ev.step)] = v.simple_value
+    assert scalars[("reward/mean", 1)] == 0.5
+    assert scalars[("reward/mean", 2)] == 0.75
+    assert scalars[("version", 2)] == 2.0
+    assert not any(tag == "x/null" for tag, _ in scalars)  # nulls are not plotted as NaN
+    assert hist is not None and hist[0] == 2 and hist[1] == "staleness/tokens"
+    assert (hist[2].num, hist[2].min, hist[2].max, hist[2].sum) == (4, 0, 3, 4)
+
+
+def test_staleness_metrics_hand_computed():
+    s = np.array([[0, 0, 0, 1], [1, 2, 3, 9]])
+    out = M.staleness_metrics(s)
+    # sorted: 0 0 0 1 1 2 3 9 -> mean 16/8; p50 at rank 3.5 -> 1; p90 at rank 6.3 -> 3 + .3*6
+    assert out["staleness/mean"] == 2.0
+    assert out["staleness/max"] == 9.0
+    assert out["staleness/p50"] == 1.0
+    assert out["staleness/p90"] == pytest.approx(4.8, abs=1e-12)
+    expected = {0: 3 / 8, 1: 2 / 8, 2: 1 / 8, 3: 1 / 8, 4: 0, 5: 0, 6: 0, 7: 0, 8: 0}
+    for k, frac in expected.items():
+        assert out[f"staleness/frac_{k}"] == frac
+    assert out["staleness/frac_gt8"] == 1 / 8
+
+
+def test_staleness_metrics_mask_empty_and_negative():
+    s = np.array([5, 0, 2, 7])
+    mask = np.array([0, 1, 1, 0])
+    out = M.staleness_metrics(s, mask)
+    assert out["staleness/mean"] == 1.0 and out["staleness/max"] == 2.0
+    assert out["staleness/frac_0"] == 0.5 and out["staleness/frac_2"] == 0.5
+    empty = M.staleness_metrics(np.zeros((2, 0), np.int32))
+    assert math.isnan(empty["staleness/mean"]) and math.isnan(empty["staleness/frac_0"])
+    with pytest.raises(ValueError, match="negative staleness -1"):
+        M.staleness_metrics(np.array([0, -1]))
+    with pytest.raises(ValueError, match="whole numbers"):
+        M.staleness_metrics(np.array([0.5]))
+
+
+def test_summarize_matches_numpy():
+    x = np.random.default_rng(0).normal(size=(7, 3))
+    out = M.summarize("reward", x)
+    assert out == {
+        "reward/mean": pytest.approx(np.mean(x), abs=1e-12),
+        "reward/min": np.min(x),
+        "reward/max": np.max(x),
+        "reward/std": pytest.approx(np.std(x), abs=1e-12),
+    }
+    assert M.summarize("r", [1.0, np.nan, 3.0]) == {
+        "r/mean": 2.0, "r/min": 1.0, "r/max": 3.0, "r/std": 1.0
+    }  # fmt: skip
+    assert all(math.isnan(v) for v in M.summarize("r", []).values())
+
+
+def test_histogram_counts_hand_computed():
+    counts, edges = M.histogram_counts([0, 1, 1, 2, np.nan, 2.5], [0, 1, 2, 3])
+    assert counts.tolist() == [1, 2, 2] and edges.tolist() == [0, 1, 2, 3]
+    counts, edges = M.histogram_counts([0.0, 1.0, 4.0], 2)
+    assert counts.tolist() == [2, 1] and edges.tolist() == [0.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="increasing"):
+        M.histogram_counts([1], [2, 1])
+
+
+def test_timer_accumulates_and_pops():
+    clock = FakeClock(0.0)
+    timer = M.Timer(clock=clock)
+    for dt in (1.0, 0.5):
+        with timer("weight_sync"):
+            clock.t += dt
+    with timer("train_step"):
+        clock.t += 2.0
+    timer.add("train_step", 0.25)
+    assert timer.pop() == {"timing/weight_sync": 1.5, "timing/train_step": 2.25}
+    assert timer.pop() == {}
+
+
+def test_idle_tracker_fraction_and_windows():
+    clock = FakeClock(0.0)
+    idle = M.IdleTracker("learner", clock=clock)
+    clock.t = 2.0
+    with idle.waiting():
+        clock.t = 5.0  # waited 3 of 10 s
+    clock.t = 10.0
+    assert idle.pop() == {"idle/learner": 0.3}
+    # A wait spanning the window boundary is split between windows.
+    with idle.waiting():
+        clock.t = 14.0
+        assert idle.pop() == {"idle/learner": 1.0}
+        clock.t = 15.0
+    clock.t = 18.0
+    assert idle.pop() == {"idle/learner": 0.25}
+
+
+def test_idle_tracker_several_workers():
+    clock = FakeClock(0.0)
+    idle = M.IdleTracker("rollout", workers=2, clock=clock)
+    a, b = idle.waiting(), idle.waiting()
+    a.__enter__()
+    clock.t = 1.0
+    b.__enter__()
+    clock.t = 3.0
+    a.__exit__(None, None, None)
+    b.__exit__(None, None, None)
+    clock.t = 4.0
+    # worker-seconds idle: 3 + 2 = 5 of 2 * 4 = 8
+    assert idle.pop() == {"idle/rollout": 5 / 8}
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_tty(tmp_path):
+    clock = FakeClock(0.0)
+    out = FakeTTY()
+    w = M.MetricsWriter(tmp_path, tensorboard=False, total_updates=4, stream=out, clock=clock)
+    for step in range(5):
+        w.log(step, step, {"reward/mean": 0.1 * step, "throughput/tokens_per_s": 1500.0})
+        if step == 2:
+            w.log(step, step, {"eval/accuracy": 0.625})
+        clock.t += 30.0
+    w.close()
+    text = out.getvalue()
+    assert "\r" in text and text.endswith("\n")
+    # At update 2, 60 s for 2 updates -> 2 updates left take 60 s.
+    assert "update 2/4 | reward 0.200 | eval - | tok/s 1500 | 1m00s elapsed | eta 1m00s" in text
+    assert "update 3/4 | reward 0.300 | eval 0.625" in text
+
+
+def test_progress_off_prints_compact_lines(tmp_path):
+    out = io.StringIO()  # not a TTY
+    w = M.MetricsWriter(
+        tmp_path, tensorboard=False, total_updates=10, print_every=5, stream=out,
+        clock=FakeClock(),
+    )  # fmt: skip
+    for step in range(11):
+        w.log(step, step, {"reward/mean": 1.0})
+    w.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == [
+        "[tandem] update 0/10", "[tandem] update 5/10", "[tandem] update 10/10"
+    ]  # fmt: skip
+    assert "\r" not in out.getvalue()
