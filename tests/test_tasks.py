@@ -1,0 +1,406 @@
+"""Tasks: determinism, disjoint splits, rewards of demonstrations and of adversarial outputs."""
+
+import random
+import re
+import time
+from fractions import Fraction
+
+import pytest
+
+from rl.tasks import TASKS, get_task
+from rl.tasks.base import Problem, RewardResult
+from rl.tasks.expr import (
+    ExprError,
+    ExprLimitError,
+    ExprSyntaxError,
+    ExprZeroDivisionError,
+    Limits,
+    evaluate,
+    evaluate_with_numbers,
+)
+
+TASK_NAMES = ["arithmetic", "countdown", "calculator"]
+
+
+def reference_eval(expr: str) -> Fraction:
+    """Python's own evaluator on a checked digits-and-operators string, with exact Fractions."""
+    assert re.fullmatch(r"[0-9+\-*/() ]+", expr), expr
+    return eval(re.sub(r"[0-9]+", lambda m: f"Fraction({m.group()})", expr), {"Fraction": Fraction})
+
+
+def problem_key(task_name: str, p: Problem):
+    """How a problem is identified, computed from its visible content."""
+    if task_name == "countdown":
+        return tuple(sorted(p.meta["numbers"])), p.meta["target"]
+    return p.prompt
+
+
+# ---------------------------------------------------------------- expression evaluator
+
+
+@pytest.mark.parametrize(
+    "expr,value",
+    [
+        ("6/4*2", Fraction(3)),
+        ("1+2*3", Fraction(7)),
+        ("(1+2)*3", Fraction(9)),
+        ("10-4-3", Fraction(3)),
+        ("8/4/2", Fraction(1)),
+        ("-3+5", Fraction(2)),
+        ("2*(3+4)-5/5", Fraction(13)),
+        (" 1 +\t2\n", Fraction(3)),
+        ("7/2", Fraction(7, 2)),
+        ("--4", Fraction(4)),
+        ("007", Fraction(7)),
+    ],
+)
+def test_expr_hand_values(expr, value):
+    assert evaluate(expr) == value
+
+
+def test_expr_numbers_in_order():
+    assert evaluate_with_numbers("(19+36)*(55-7)") == (Fraction(55 * 48), (19, 36, 55, 7))
+
+
+def test_expr_matches_python_on_random_expressions():
+    rng = random.Random(0)
+
+    def gen(depth):
+        if depth == 0 or rng.random() < 0.3:
+            return str(rng.randint(0, 30))
+        return f"({gen(depth - 1)}{rng.choice('+-*/')}{gen(depth - 1)})"
+
+    checked = zero_div = 0
+    for _ in range(500):
+        expr = gen(4)[: Limits().max_len]
+        try:
+            expected = reference_eval(expr)
+        except ZeroDivisionError:
+            with pytest.raises(ExprZeroDivisionError):
+                evaluate(expr)
+            zero_div += 1
+            continue
+        except SyntaxError:  # truncated to max_len
+            continue
+        assert evaluate(expr) == expected, expr
+        checked += 1
+    assert checked > 300 and zero_div > 0
+
+
+@pytest.mark.parametrize(
+    "expr,error",
+    [
+        ("1/0", ExprZeroDivisionError),
+        ("1/(2-2)", ExprZeroDivisionError),
+        ("2**99999999", ExprSyntaxError),
+        ("2^3", ExprSyntaxError),
+        ("7//2", ExprSyntaxError),
+        ("__import__('os').system('x')", ExprSyntaxError),
+        ("1.5", ExprSyntaxError),
+        ("\u0661+\u0661", ExprSyntaxError),  # Arabic-Indic digits
+        ("", ExprSyntaxError),
+        ("  ", ExprSyntaxError),
+        ("1+", ExprSyntaxError),
+        ("1 2", ExprSyntaxError),
+        ("(1+2", ExprSyntaxError),
+        ("1+2)", ExprSyntaxError),
+        ("()", ExprSyntaxError),
+        ("(" * 10 + "1", ExprSyntaxError),
+        ("(" * 40 + "1" + ")" * 40, ExprLimitError),  # depth 40 > 32, length 81
+        ("-" * 50 + "1", ExprLimitError),
+        ("(" * 5000, ExprLimitError),  # length
+        ("9" * 13, ExprLimitError),
+        ("9" * 100000, ExprLimitError),
+        ("*".join(["999999999999"] * 3), ExprLimitError),  # 1e36 > 1e18
+        ("1" + "/7" * 30, ExprLimitError),  # denominator 7**30 > 1e18
+    ],
+)
+def test_expr_rejects(expr, error):
+    with pytest.raises(error):
+        evaluate(expr)
+
+
+def test_expr_rejects_non_str_and_unary_when_disabled():
+    with pytest.raises(ExprError):
+        evaluate(12)
+    with pytest.raises(ExprSyntaxError):
+        evaluate("-1", Limits(allow_unary=False))
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry():
+    assert sorted(TASKS) == sorted(TASK_NAMES)
+    assert get_task("arithmetic", ops=["+", "*"]).ops == ("+", "*")  # YAML lists become tuples
+    with pytest.raises(ValueError, match="valid"):
+        get_task("sudoku")
+    with pytest.raises(ValueError, match="digitz"):
+        get_task("arithmetic", digitz=3)
+    with pytest.raises(ValueError, match=r"\^"):
+        get_task("arithmetic", ops=("^",))
+    with pytest.raises(ValueError, match="eval_fraction"):
+        get_task("countdown", eval_fraction=0.0)
+    with pytest.raises(ValueError, match="split"):
+        get_task("arithmetic").problems("test", 3)
+    for name in TASK_NAMES:
+        task = get_task(name)
+        assert task.name == name and task.max_turns >= 1
+
+
+# ---------------------------------------------------------------- splits and determinism
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_problems_deterministic_and_prefix_stable(name):
+    a, b = get_task(name, seed=3), get_task(name, seed=3)
+    for split in ("train", "eval"):
+        ps = a.problems(split, 50)
+        assert ps == b.problems(split, 50)
+        assert ps[:20] == a.problems(split, 20)
+        assert len({p.id for p in ps}) == 50
+    assert [p.prompt for p in get_task(name, seed=4).problems("train", 50)] != [
+        p.prompt for p in a.problems("train", 50)
+    ]
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_splits_disjoint(name):
+    train_keys, eval_keys = set(), set()
+    for seed in (0, 1):  # the partition holds across seeds, not just within one
+        task = get_task(name, seed=seed)
+        train_keys |= {problem_key(name, p) for p in task.problems("train", 3000)}
+        ev = [problem_key(name, p) for p in task.problems("eval", 200)]
+        assert len(set(ev)) == len(ev)  # eval problems are distinct
+        eval_keys |= set(ev)
+    assert len(train_keys) > 1000 and len(eval_keys) >= 200
+    assert not train_keys & eval_keys
+
+
+def test_small_problem_space_exhaustive():
+    task = get_task("arithmetic", digits=1)  # 100 problems in all
+    train = {p.prompt for p in task.problems("train", 3000)}
+    ev = {p.prompt for p in task.problems("eval", 5)}
+    assert not train & ev and len(train) + len(ev) <= 100
+    assert len(train) > 80  # the train stream covers its part of the space
+    with pytest.raises(ValueError, match="distinct eval problems"):
+        task.problems("eval", 50)
+
+
+# ---------------------------------------------------------------- demonstrations
+
+
+def test_arithmetic_problems_and_demonstrations():
+    task = get_task("arithmetic", digits=3, ops=("+", "-", "*"))
+    seen_ops = set()
+    for p in task.problems("train", 300):
+        a, op, b = re.fullmatch(r"(\d{3})([+\-*])(\d{3})=", p.prompt).groups()
+        expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        seen_ops.add(op)
+        demo = task.demonstration(p)
+        assert demo == f"<answer>{expected}</answer>"
+        assert task.reward(p, demo).reward == 1.0
+    assert seen_ops == {"+", "-", "*"}
+
+
+@pytest.mark.parametrize("use_all", [False, True])
+def test_countdown_problems_and_demonstrations(use_all):
+    task = get_task("countdown", use_all=use_all)
+    for p in task.problems("train", 300) + task.problems("eval", 50):
+        numbers, target = p.meta["numbers"], p.meta["target"]
+        assert len(numbers) in (3, 4) and all(1 <= x <= 99 for x in numbers)
+        assert 1 <= target <= 100
+        assert p.prompt == f"[{','.join(map(str, numbers))}]->{target}:"
+        demo = task.demonstration(p)
+        expr = re.fullmatch(r"<answer>(.*)</answer>", demo).group(1)
+        assert reference_eval(expr) == target
+        assert sorted(int(x) for x in re.findall(r"[0-9]+", expr)) == sorted(numbers)
+        assert task.reward(p, demo) == RewardResult(1.0, True, True)
+
+
+def test_countdown_tinyzero_prompt():
+    p = get_task("countdown", prompt_style="tinyzero").problems("train", 1)[0]
+    assert p.prompt.startswith(f"Using the numbers {list(p.meta['numbers'])}, create an equation")
+
+
+def test_calculator_problems_and_demonstrations():
+    task = get_task("calculator")
+    for p in task.problems("train", 200):
+        a, b, c = map(int, re.fullmatch(r"(\d+)\*(\d+)\+(\d+)=", p.prompt).groups())
+        assert all(10 <= x <= 999 for x in (a, b, c))
+        demo = task.demonstration(p)
+        call = f"<tool_call>{a}*{b}+{c}</tool_call>"
+        assert (
+            demo == f"{call}<tool_response>{a * b + c}</tool_response><answer>{a * b + c}</answer>"
+        )
+        assert task.env_step(p, call) == f"<tool_response>{a * b + c}</tool_response>"
+        assert task.reward(p, demo).reward == 1.0
+    one_turn = get_task("calculator", max_turns=1)
+    assert one_turn.demonstration(p) == f"<answer>{p.answer}</answer>"
+
+
+# ---------------------------------------------------------------- rewards
+
+
+ARITH = Problem(id="t", prompt="12+34=", answer="46", meta={"a": 12, "b": 34, "op": "+"})
+
+
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("<answer>46</answer>", (1.0, True, True)),
+        ("<answer> 46 </answer>", (1.0, True, True)),
+        ("<answer>46</answer><eos>", (1.0, True, True)),
+        ("<answer>46</answer>\n<|im_end|>\n", (1.0, True, True)),
+        ("12+34 is 46 <answer>46</answer>", (1.0, True, True)),
+        ("<answer>47</answer>", (0.1, False, True)),
+        ("<answer>-46</answer>", (0.1, False, True)),
+        ("<answer>046</answer>", (1.0, True, True)),
+        ("<answer>46</answer>junk", (0.0, False, False)),
+        ("<answer>46</answer><answer>46</answer>", (0.0, False, False)),
+        ("<answer>4 6</answer>", (0.0, False, False)),
+        ("<answer>46.0</answer>", (0.0, False, False)),
+        ("<answer>4_6</answer>", (0.0, False, False)),
+        ("<answer>\u0664\u0666</answer>", (0.0, False, False)),  # Arabic-Indic 46
+        ("<answer>34+12</answer>", (0.0, False, False)),
+        ("<answer></answer>", (0.0, False, False)),
+        ("46", (0.0, False, False)),
+    ],
+)
+def test_arithmetic_reward_table(completion, expected):
+    r = get_task("arithmetic").reward(ARITH, completion)
+    assert (r.reward, r.correct, r.formatted) == expected
+
+
+COUNTDOWN = Problem(
+    id="t", prompt="[3,5,7]->15:", answer="3*5", meta={"numbers": (3, 5, 7), "target": 15}
+)
+
+
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("<answer>3*5</answer>", (1.0, True, True)),
+        ("<answer>7+5+3</answer>", (1.0, True, True)),
+        ("<answer> (7 + 3) * 5 / 10 </answer>", (0.0, False, False)),  # 10 not given
+        ("<answer>(7-5)*3</answer>", (0.1, False, True)),
+        ("<answer>5+5+5</answer>", (0.0, False, False)),  # 5 used three times
+        ("<answer>15</answer>", (0.0, False, False)),  # a number not given
+        ("<answer>3*5*1</answer>", (0.0, False, False)),
+        ("<answer>35/7*3</answer>", (0.0, False, False)),  # digits glued into a new number
+        ("<answer>3*5=15</answer>", (0.0, False, False)),
+        ("<answer>3*(5</answer>", (0.0, False, False)),
+        ("<answer>5/(7-7)</answer>", (0.0, False, False)),
+    ],
+)
+def test_countdown_reward_table(completion, expected):
+    r = get_task("countdown").reward(COUNTDOWN, completion)
+    assert (r.reward, r.correct, r.formatted) == expected
+
+
+def test_countdown_exact_fractions_and_use_all():
+    p = Problem(id="t", prompt="", answer="", meta={"numbers": (6, 4, 2), "target": 3})
+    assert get_task("countdown").reward(p, "<answer>6/4*2</answer>").reward == 1.0
+    p2 = Problem(id="t", prompt="", answer="", meta={"numbers": (3, 7, 1), "target": 3})
+    assert get_task("countdown").reward(p2, "<answer>1/3*7*3/7*3</answer>").reward == 0.0
+    strict = get_task("countdown", use_all=True)
+    assert strict.reward(COUNTDOWN, "<answer>3*5</answer>").reward == 0.0  # 7 unused
+    assert strict.reward(COUNTDOWN, "<answer>7+5+3</answer>").reward == 1.0
+
+
+def _adversarial():
+    mb = 1 << 20
+    return {
+        "many_open_tags": "<answer>" * 10000,
+        "many_close_tags": "</answer>" * 10000,
+        "nines": "9" * 100000,
+        "tagged_nines": "<answer>" + "9" * 100000 + "</answer>",
+        "tagged_nines_4k": "<answer>" + "9" * 4500 + "</answer>",
+        "import": "<answer>__import__('os').system('x')</answer>",
+        "bare_import": "__import__('os').system('x')",
+        "div_zero": "<answer>1/0</answer>",
+        "parens": "<answer>" + "(" * 5000 + "</answer>",
+        "deep_parens": "<answer>" + "(" * 60 + "1" + ")" * 60 + "</answer>",
+        "power": "<answer>2**99999999</answer>",
+        "unicode": "<answer>\U0001f600\u00e9\u6f22</answer>",
+        "nul": "<answer>\x00</answer>",
+        "unmatched_close_first": "</answer>46<answer>",
+        "unclosed": "<answer>46",
+        "unopened": "46</answer>",
+        "empty": "",
+        "eos_flood": "<eos>" * 26000,  # just under the length cap: stripping must stay linear
+        "answer_then_eos_flood_junk": "<answer>1</answer>" + "<eos> " * 20000 + "x",
+        "one_mb_text": "x" * mb,
+        "one_mb_eos": "<eos>" * (mb // 5),
+        "one_mb_answer": "<answer>" + "1+" * (mb // 2) + "1</answer>",
+        "one_mb_tool_calls": "<tool_call>1+1</tool_call>" * (mb // 26),
+    }
+
+
+ADVERSARIAL = _adversarial()
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_adversarial_outputs_score_zero_fast(name, case):
+    task = get_task(name)
+    problem = task.problems("eval", 1)[0]
+    text = ADVERSARIAL[case]
+    start = time.perf_counter()
+    r = task.reward(problem, text)
+    obs = task.env_step(problem, text)
+    elapsed = time.perf_counter() - start
+    assert r.reward == 0.0 and not r.correct
+    assert obs is None or (obs.startswith("<tool_response>") and len(obs) < 100)
+    assert elapsed < 1.0, f"{case}: {elapsed:.2f} s"
+
+
+# ---------------------------------------------------------------- calculator environment
+
+CALC = Problem(
+    id="t",
+    prompt="123*45+678=",
+    answer="6213",
+    meta={"a": 123, "b": 45, "c": 678, "expression": "123*45+678"},
+)
+
+
+@pytest.mark.parametrize(
+    "turn,observation",
+    [
+        ("<tool_call>123*45</tool_call>", "<tool_response>5535</tool_response>"),
+        ("let me compute <tool_call>123*45+678</tool_call>", "<tool_response>6213</tool_response>"),
+        ("<tool_call>7/2</tool_call><eos>", "<tool_response>7/2</tool_response>"),
+        ("<tool_call>1/0</tool_call>", "<tool_response>error: division by zero</tool_response>"),
+        ("<tool_call>__import__('os')</tool_call>", "<tool_response>error: syntax</tool_response>"),
+        ("<tool_call>2**9999</tool_call>", "<tool_response>error: syntax</tool_response>"),
+        ("<tool_call>" + "9" * 20 + "</tool_call>", "<tool_response>error: limit</tool_response>"),
+        ("<tool_call>" + "(" * 300 + "</tool_call>", None),  # too long to be a call
+        ("<tool_call>1+1</tool_call> and more", None),
+        ("<tool_call>1+1</tool_call><tool_call>2+2</tool_call>", None),
+        ("<tool_call>1+1", None),
+        ("<answer>6213</answer>", None),
+        ("<tool_call>1+1</tool_call><answer>2</answer>", None),
+        ("no action", None),
+    ],
+)
+def test_calculator_env_step_first_turn(turn, observation):
+    assert get_task("calculator").env_step(CALC, turn) == observation
+
+
+def test_calculator_episode_turn_limit_and_scoring():
+    task = get_task("calculator", max_turns=3)
+    transcript = "<tool_call>123*45</tool_call>"
+    obs = task.env_step(CALC, transcript)
+    assert obs == "<tool_response>5535</tool_response>"
+    transcript += obs + "<tool_call>5535+678</tool_call>"
+    obs = task.env_step(CALC, transcript)
+    assert obs == "<tool_response>6213</tool_response>"
+    transcript += obs + "<tool_call>1+1</tool_call>"
+    assert task.env_step(CALC, transcript) is None  # third model turn was the last
+    assert task.reward(CALC, transcript).reward == 0.0  # no answer given
+    final = transcript[: transcript.rindex("<tool_call>")] + "<answer>6213</answer>"
+    assert task.reward(CALC, final) == RewardResult(1.0, True, True)
+    assert task.reward(CALC, final.replace("6213</answer>", "6214</answer>")).reward == 0.1
+    # A turn after the last tool response is what counts, not earlier ones.
+    assert get_task("calculator", max_turns=1).env_step(CALC, "<tool_call>1</tool_call>") is None
