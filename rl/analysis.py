@@ -1,0 +1,370 @@
+"""Metric analysis of run directories: load runs, plot to PNG files, sweep tables.
+
+Every plot function takes a list of runs, saves one figure and returns its path. A metric
+that a run did not log is skipped with a printed note (a synchronous run has no staleness
+beyond 0; a run without evaluation has no eval curve), never an error. pandas and matplotlib
+are imported lazily; figures are drawn with the Agg canvas, so nothing touches pyplot's
+global state or needs a display.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from rl.metrics import (
+    EVAL_ACCURACY,
+    IDLE_LEARNER,
+    IDLE_ROLLOUT,
+    MAX_STALENESS_BIN,
+    METRICS_FILE,
+    REWARD,
+    TOKENS_PER_S,
+    WEIGHT_SYNC,
+    read_metrics,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+X_AXES = ("step", "time", "version")
+X_LABELS = {"step": "update", "time": "wall clock (s)", "version": "policy version"}
+STALENESS_BINS = [f"staleness/frac_{k}" for k in range(MAX_STALENESS_BIN + 1)] + [
+    f"staleness/frac_gt{MAX_STALENESS_BIN}"
+]
+
+
+@dataclasses.dataclass
+class Run:
+    """One run directory: its metrics (one row per metrics.jsonl line) and resolved config."""
+
+    name: str
+    path: Path
+    metrics: pd.DataFrame
+    config: dict[str, Any]
+
+    @property
+    def mode(self) -> str:
+        """Trainer mode from the config ("sync", "one_step_off", "async"), or "?"."""
+        return str((self.config.get("trainer") or {}).get("mode", "?"))
+
+    def has(self, metric: str) -> bool:
+        """Whether the run logged at least one non-null value of `metric`."""
+        return metric in self.metrics.columns and bool(self.metrics[metric].notna().any())
+
+
+def _note(msg: str) -> None:
+    print(f"note: {msg}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_run(run_dir: str | os.PathLike) -> Run:
+    """Load `run_dir/metrics.jsonl` (and `config.yaml` when present) into a Run."""
+    import pandas as pd
+
+    path = Path(run_dir)
+    metrics_path = path / METRICS_FILE
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"{metrics_path} not found: {path} is not a run directory")
+    rows = read_metrics(metrics_path)
+    df = pd.DataFrame.from_records(rows) if rows else pd.DataFrame()
+    for col in ("step", "version", "time"):
+        if col not in df.columns:
+            df[col] = pd.Series(dtype="float64")
+    df = df.apply(pd.to_numeric, errors="coerce")
+    config: dict[str, Any] = {}
+    config_path = path / "config.yaml"
+    if config_path.is_file():
+        config = yaml.safe_load(config_path.read_text()) or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path}: expected a mapping, got {type(config).__name__}")
+    else:
+        _note(f"{path.name}: no config.yaml")
+    return Run(name=path.name, path=path, metrics=df, config=config)
+
+
+def load_runs(paths_or_glob: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Run]:
+    """Load every run directory named or matched (globs skip folders without metrics.jsonl)."""
+    items = (
+        [paths_or_glob] if isinstance(paths_or_glob, (str, os.PathLike)) else list(paths_or_glob)
+    )
+    dirs: list[Path] = []
+    for item in items:
+        s = os.fspath(item)
+        if glob.has_magic(s):
+            dirs += [Path(p) for p in sorted(glob.glob(s)) if (Path(p) / METRICS_FILE).is_file()]
+        else:
+            dirs.append(Path(s))
+    unique = list(dict.fromkeys(p.resolve() for p in dirs))
+    if not unique:
+        raise FileNotFoundError(f"no run directory (with {METRICS_FILE}) matches {items}")
+    return [load_run(p) for p in unique]
+
+
+def _as_runs(runs: Run | Sequence[Run]) -> list[Run]:
+    return [runs] if isinstance(runs, Run) else list(runs)
+
+
+def _series(run: Run, x: str, metric: str) -> tuple[Any, Any] | None:
+    """(x values, metric values) of rows where the metric is logged; last row per x wins."""
+    if x not in X_AXES:
+        raise ValueError(f"x={x!r}: valid choices are {X_AXES}")
+    if not run.has(metric):
+        return None
+    df = run.metrics[[x, metric]].dropna()
+    df = df.drop_duplicates(subset=x, keep="last").sort_values(x)
+    return df[x].to_numpy(), df[metric].to_numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+
+def _figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (6.0, 4.0)):
+    """A standalone Agg figure with a grid of axes (no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
+
+
+def _save(fig: Figure, out: str | os.PathLike) -> Path:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, format="png")
+    return path
+
+
+def _empty(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _line_panel(
+    ax: Axes, runs: list[Run], x: str, metric: str, *, marker: str = "", band: bool = False
+) -> int:
+    """One line per run that logged `metric`; returns how many were drawn."""
+    drawn = 0
+    for i, run in enumerate(runs):
+        xy = _series(run, x, metric)
+        if xy is None:
+            _note(f"{run.name}: no {metric}; skipped")
+            continue
+        xs, ys = xy
+        ax.plot(xs, ys, marker=marker, markersize=3, color=f"C{i % 10}", label=run.name)
+        std_name = metric[: -len("/mean")] + "/std" if metric.endswith("/mean") else ""
+        sd = _series(run, x, std_name) if band and std_name else None
+        if sd is not None and len(sd[0]) == len(xs):
+            ax.fill_between(xs, ys - sd[1], ys + sd[1], color=f"C{i % 10}", alpha=0.15)
+        drawn += 1
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, f"no run logged {metric}")
+    return drawn
+
+
+def plot_reward(
+    runs: Run | Sequence[Run],
+    x: str = "step",
+    metric: str = REWARD,
+    out: str | os.PathLike = "reward.png",
+) -> Path:
+    """Training reward (mean +- std band when logged) per run against update or wall clock."""
+    fig, (ax,) = _figure()
+    _line_panel(ax, _as_runs(runs), x, metric, band=True)
+    ax.set_title(f"{metric} vs {X_LABELS[x]}")
+    return _save(fig, out)
+
+
+def plot_eval(
+    runs: Run | Sequence[Run],
+    x: str = "step",
+    metric: str = EVAL_ACCURACY,
+    out: str | os.PathLike = "eval.png",
+) -> Path:
+    """Held-out evaluation (eval/accuracy by default) per run against update or wall clock."""
+    fig, (ax,) = _figure()
+    _line_panel(ax, _as_runs(runs), x, metric, marker="o")
+    ax.set_title(f"{metric} vs {X_LABELS[x]}")
+    return _save(fig, out)
+
+
+def plot_staleness(runs: Run | Sequence[Run], out: str | os.PathLike = "staleness.png") -> Path:
+    """Per run: token fraction at each staleness per policy version; last: overall histogram."""
+    runs = _as_runs(runs)
+    with_data = []
+    for run in runs:
+        if any(run.has(c) for c in STALENESS_BINS):
+            with_data.append(run)
+        else:
+            _note(f"{run.name}: no staleness/frac_* metrics; skipped")
+    n = len(with_data) + 1
+    ncols = min(3, n)
+    nrows = -(-n // ncols)
+    fig, axes = _figure(nrows, ncols, size=(5.0, 3.6))
+    for ax in axes[n:]:
+        ax.set_axis_off()
+    labels = [f"{k}" for k in range(MAX_STALENESS_BIN + 1)] + [f">{MAX_STALENESS_BIN}"]
+    colors = [_staleness_color(k) for k in range(len(labels))]
+    hist_ax = axes[n - 1]
+    if not with_data:
+        _empty(hist_ax, "no run logged staleness metrics")
+        return _save(fig, out)
+    width = 0.8 / len(with_data)
+    for i, (run, ax) in enumerate(zip(with_data, axes)):
+        cols = [c for c in STALENESS_BINS if c in run.metrics.columns]
+        df = run.metrics[["version", *cols]].dropna(subset=cols, how="all")
+        by_version = df.groupby("version")[cols].mean().fillna(0.0)
+        ax.stackplot(
+            by_version.index.to_numpy(),
+            *[by_version[c].to_numpy() for c in cols],
+            labels=[labels[STALENESS_BINS.index(c)] for c in cols],
+            colors=[colors[STALENESS_BINS.index(c)] for c in cols],
+        )
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("policy version (update)")
+        ax.set_ylabel("fraction of trained tokens")
+        ax.set_title(f"{run.name}: staleness per version", fontsize=10)
+        ax.legend(title="staleness", fontsize=7, ncol=2, loc="lower left")
+        overall = [float(df[c].mean()) if c in cols else 0.0 for c in STALENESS_BINS]
+        pos = [k - 0.4 + width * (i + 0.5) for k in range(len(labels))]
+        hist_ax.bar(pos, overall, width=width, color=f"C{runs.index(run) % 10}", label=run.name)
+    hist_ax.set_xticks(range(len(labels)), labels)
+    hist_ax.set_xlabel("staleness (versions)")
+    hist_ax.set_ylabel("fraction of trained tokens (mean over updates)")
+    hist_ax.set_title("staleness histogram", fontsize=10)
+    hist_ax.grid(alpha=0.3, axis="y")
+    hist_ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def _staleness_color(k: int) -> tuple[float, float, float, float]:
+    from matplotlib import colormaps
+
+    return colormaps["viridis"](k / (MAX_STALENESS_BIN + 1))
+
+
+def plot_idle(
+    runs: Run | Sequence[Run], out: str | os.PathLike = "idle.png", *, x: str = "step"
+) -> Path:
+    """Fraction of wall time the learner and the rollout side spent waiting, per run."""
+    runs = _as_runs(runs)
+    fig, axes = _figure(1, 2)
+    for ax, metric in zip(axes, (IDLE_LEARNER, IDLE_ROLLOUT)):
+        _line_panel(ax, runs, x, metric)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{metric} (fraction of wall time waiting)", fontsize=10)
+    return _save(fig, out)
+
+
+def plot_throughput(
+    runs: Run | Sequence[Run], out: str | os.PathLike = "throughput.png", *, x: str = "step"
+) -> Path:
+    """Generated tokens/s and weight-sync seconds per update; share of wall time per timing."""
+    runs = _as_runs(runs)
+    fig, axes = _figure(1, 3, size=(5.0, 3.8))
+    _line_panel(axes[0], runs, x, TOKENS_PER_S)
+    axes[0].set_title("generation throughput", fontsize=10)
+    _line_panel(axes[1], runs, x, WEIGHT_SYNC, marker=".")
+    axes[1].set_title("weight sync seconds per update", fontsize=10)
+    ax = axes[2]
+    timing = sorted({c for r in runs for c in r.metrics.columns if c.startswith("timing/")})
+    shares = {}
+    for run in runs:
+        wall = run.metrics["time"].max()
+        if timing and wall and wall > 0:
+            shares[run.name] = [
+                float(run.metrics[c].sum()) / wall if c in run.metrics.columns else 0.0
+                for c in timing
+            ]
+    if not shares:
+        _note("no timing/* metrics in any run; wall-time shares skipped")
+        _empty(ax, "no timing/* metrics")
+        return _save(fig, out)
+    width = 0.8 / len(shares)
+    for i, run in enumerate(runs):
+        if run.name in shares:
+            pos = [k - 0.4 + width * (i + 0.5) for k in range(len(timing))]
+            ax.barh(pos, shares[run.name], height=width, color=f"C{i % 10}", label=run.name)
+    ax.set_yticks(range(len(timing)), [c.removeprefix("timing/") for c in timing])
+    ax.set_xlabel("share of wall time (sum of timing / run time)")
+    ax.set_title("where the time went", fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def run_summary(runs: Run | Sequence[Run], target_accuracy: float | None = None) -> pd.DataFrame:
+    """One row per run: updates, wall time, final reward, eval, staleness, idle, throughput."""
+    import pandas as pd
+
+    def first(run: Run, m: str) -> float:
+        return float(run.metrics[m].dropna().iloc[0]) if run.has(m) else float("nan")
+
+    def last(run: Run, m: str) -> float:
+        return float(run.metrics[m].dropna().iloc[-1]) if run.has(m) else float("nan")
+
+    def agg(run: Run, m: str, how: str) -> float:
+        return float(getattr(run.metrics[m].dropna(), how)()) if run.has(m) else float("nan")
+
+    rows = []
+    for run in _as_runs(runs):
+        row = {
+            "run": run.name,
+            "mode": run.mode,
+            "updates": agg(run, "step", "max"),
+            "wall_s": agg(run, "time", "max"),
+            "reward_final": last(run, REWARD),
+            "eval_first": first(run, EVAL_ACCURACY),
+            "eval_final": last(run, EVAL_ACCURACY),
+            "eval_best": agg(run, EVAL_ACCURACY, "max"),
+            "staleness_mean": agg(run, "staleness/mean", "mean"),
+            "staleness_max": agg(run, "staleness/max", "max"),
+            "idle_learner": agg(run, IDLE_LEARNER, "mean"),
+            "idle_rollout": agg(run, IDLE_ROLLOUT, "mean"),
+            "tokens_per_s": agg(run, TOKENS_PER_S, "mean"),
+        }
+        if target_accuracy is not None:
+            reached = float("nan")  # wall clock of the first evaluation at or above the target
+            if run.has(EVAL_ACCURACY):
+                ev = run.metrics[["time", EVAL_ACCURACY]].dropna()
+                hit = ev[ev[EVAL_ACCURACY] >= target_accuracy]
+                reached = float(hit["time"].iloc[0]) if len(hit) else reached
+            row[f"time_to_{target_accuracy:g}_s"] = reached
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("run")
+
+
+def sweep_table(results_csv: str | os.PathLike) -> pd.DataFrame:
+    """The results table a sweep wrote (a CSV file, or a directory holding results.csv)."""
+    import pandas as pd
+
+    path = Path(results_csv)
+    if path.is_dir():
+        path = path / "results.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"sweep results {path} not found (expected a CSV file)")
+    return pd.read_csv(path)

@@ -1,0 +1,149 @@
+"""The group buffer: holds finished groups and releases complete ones to the learner.
+
+Only complete groups (all n rollouts) enter. With stale_policy "keep" groups leave strictly in
+dispatch order (the order the coordinator's staleness proof needs); with "drop" they leave in
+completion order and a group whose oldest token is more than eta versions behind the update is
+dropped and counted. Groups whose rewards are all equal have zero advantage under group
+baselines: they are filtered (counted) and their slots freed. The bias monitor compares the
+trained groups with every finished group (length and reward), so a filter or a drop policy that
+skews training toward short or easy episodes shows in the metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from rl.coordinator import Coordinator, DeadlineError
+from rl.types import EpisodeGroup
+
+
+class GroupBuffer:
+    """Finished groups waiting for the learner."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        stale_policy: str = "keep",
+        filter_zero_advantage: bool = True,
+        start_group: int = 0,
+    ):
+        self.coord = coordinator
+        self.stale_policy = stale_policy
+        self.filter = filter_zero_advantage
+        self.groups: dict[int, EpisodeGroup] = {}
+        self.next_group = start_group  # keep: the next group number the learner consumes
+        self.counts = {"filtered": 0, "dropped": 0, "trained": 0, "finished": 0}
+        self._finished_stats: list[tuple[float, float]] = []  # (mean length, mean reward)
+        self._trained_stats: list[tuple[float, float]] = []
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+
+    def put(self, group: EpisodeGroup) -> None:
+        """Adds a complete group (every rollout of its prompt)."""
+        with self._cond:
+            if group.group_id in self.groups:
+                raise ValueError(f"group {group.group_id} was already delivered")
+            self.groups[group.group_id] = group
+            self.counts["finished"] += 1
+            self._finished_stats.append(_stats(group))
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """A producer died: wakes the learner so it raises instead of waiting."""
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+
+    def _usable(self, g: EpisodeGroup) -> bool:
+        return not (self.filter and len(set(g.rewards.tolist())) <= 1)
+
+    def _take_keep(self) -> EpisodeGroup | None:
+        g = self.groups.pop(self.next_group, None)
+        if g is not None:
+            self.next_group += 1
+        return g
+
+    def _take_drop(self, version: int, eta: int) -> EpisodeGroup | None:
+        while self.groups:
+            gid = min(self.groups, key=lambda i: (self.groups[i].min_version, i))
+            g = self.groups.pop(gid)
+            if version - g.min_version > eta:
+                self.counts["dropped"] += 1
+                self.coord.free(1)
+                continue
+            return g
+        return None
+
+    def get_batch(self, n_groups: int, version: int, timeout: float) -> list[EpisodeGroup]:
+        """The next n usable groups for the update at learner `version` (blocks, with deadline)."""
+        out: list[EpisodeGroup] = []
+        with self._cond:
+            while len(out) < n_groups:
+
+                def take():
+                    if self.stale_policy == "keep":
+                        return self._take_keep()
+                    return self._take_drop(version, self.coord.eta)
+
+                g = None
+                ok = self._cond.wait_for(
+                    lambda: (
+                        self.error is not None
+                        or bool(self.groups)
+                        and (self.stale_policy == "drop" or self.next_group in self.groups)
+                    ),
+                    timeout,
+                )
+                if self.error is not None:
+                    raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
+                if not ok:
+                    raise DeadlineError(
+                        f"learner waited {timeout:.0f}s for group {self.next_group} "
+                        f"(have {len(out)}/{n_groups} for version {version}; buffered "
+                        f"{sorted(self.groups)[:8]}); are the rollout workers alive?"
+                    )
+                g = take()
+                if g is None:
+                    continue
+                if not self._usable(g):
+                    self.counts["filtered"] += 1
+                    self.coord.free(1)
+                    continue
+                out.append(g)
+            self.counts["trained"] += len(out)
+            self._trained_stats.extend(_stats(g) for g in out)
+        return out
+
+    def state(self) -> dict:
+        """Finished, untrained groups and the consume cursor (for lossless resume)."""
+        with self._cond:
+            return {
+                "next_group": self.next_group,
+                "groups": dict(self.groups),
+                "counts": dict(self.counts),
+            }
+
+    def metrics(self) -> dict[str, float]:
+        """Counts and the bias monitor (trained vs finished: length and reward means)."""
+        with self._cond:
+            m = {f"buffer/{k}": float(v) for k, v in self.counts.items()}
+            m["buffer/size"] = float(len(self.groups))
+            for name, stats in (
+                ("finished", self._finished_stats),
+                ("trained", self._trained_stats),
+            ):
+                if stats:
+                    a = np.asarray(stats)
+                    m[f"bias/length_{name}"] = float(a[:, 0].mean())
+                    m[f"bias/reward_{name}"] = float(a[:, 1].mean())
+            if self._finished_stats and self._trained_stats:
+                m["bias/length_gap"] = m["bias/length_trained"] - m["bias/length_finished"]
+                m["bias/reward_gap"] = m["bias/reward_trained"] - m["bias/reward_finished"]
+        return m
+
+
+def _stats(g: EpisodeGroup) -> tuple[float, float]:
+    return (float(np.mean([e.num_generated for e in g.episodes])), float(g.rewards.mean()))

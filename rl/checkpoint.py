@@ -1,0 +1,140 @@
+"""Orbax checkpoints of the learner state plus everything a resumed run needs.
+
+A checkpoint at version v holds: params and optimizer state (sharded arrays, StandardSave),
+and a JSON `meta` item with the version, the stage, the data cursor (next group to consume),
+the admission state (freed slots, groups to re-dispatch) and counters. Finished but untrained
+groups are written next to it as `groups.npz`, so a resumed run loses no finished episode and
+re-dispatches only what was in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from rl.types import Episode, EpisodeGroup
+
+_EPISODE_ARRAYS = ("tokens", "loss_mask", "behavior_logp", "versions")
+_EPISODE_SCALARS = (
+    "problem_id",
+    "prompt_len",
+    "reward",
+    "correct",
+    "formatted",
+    "finish_reason",
+    "num_turns",
+    "completion_text",
+)
+
+
+def save_groups(path: str, groups: dict[int, EpisodeGroup]) -> None:
+    """Writes groups as flat numpy arrays (npz) plus a JSON index of scalars."""
+    arrays, index = {}, []
+    for gid, g in groups.items():
+        eps = []
+        for j, e in enumerate(g.episodes):
+            for name in _EPISODE_ARRAYS:
+                arrays[f"{gid}_{j}_{name}"] = getattr(e, name)
+            eps.append({k: getattr(e, k) for k in _EPISODE_SCALARS})
+        index.append(
+            {
+                "group_id": gid,
+                "problem_id": g.problem_id,
+                "dispatch_version": g.dispatch_version,
+                "episodes": eps,
+            }
+        )
+    arrays["__index__"] = np.frombuffer(json.dumps(index).encode(), np.uint8)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_groups(path: str) -> dict[int, EpisodeGroup]:
+    """Reads groups written by save_groups."""
+    if not os.path.exists(path):
+        return {}
+    with np.load(path) as z:
+        index = json.loads(bytes(z["__index__"]).decode())
+        out = {}
+        for item in index:
+            gid = item["group_id"]
+            eps = tuple(
+                Episode(**{k: z[f"{gid}_{j}_{k}"] for k in _EPISODE_ARRAYS}, **scal)
+                for j, scal in enumerate(item["episodes"])
+            )
+            out[gid] = EpisodeGroup(gid, item["problem_id"], eps, item["dispatch_version"])
+    return out
+
+
+class Checkpointer:
+    """Saves and restores (learner state, meta, buffered groups) under run_dir/checkpoints."""
+
+    def __init__(self, directory: str, *, keep: int = 2):
+        self.directory = os.path.abspath(directory)
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest saved step, or None."""
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: nnx.State, meta: dict, groups: dict | None = None) -> None:
+        """Saves a checkpoint at `step` (waits for completion, so a crash never half-writes)."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state.to_pure_dict()),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
+        self.manager.wait_until_finished()
+        if groups is not None:
+            save_groups(os.path.join(self.directory, f"groups_{step}.npz"), groups)
+            for name in os.listdir(self.directory):  # retention follows Orbax's
+                if name.startswith("groups_") and name.endswith(".npz"):
+                    s = int(name[len("groups_") : -len(".npz")])
+                    if s not in self.manager.all_steps():
+                        os.remove(os.path.join(self.directory, name))
+
+    def restore(self, state: nnx.State, step: int | None = None):
+        """(state, meta, groups) of `step` (default latest); arrays keep `state`'s shardings."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state.to_pure_dict())
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+            ),
+        )
+        nnx.replace_by_pure_dict(state, restored["state"])
+        groups = load_groups(os.path.join(self.directory, f"groups_{step}.npz"))
+        return state, restored["meta"], groups
+
+    def close(self) -> None:
+        """Waits for pending writes and closes the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def restore_params(directory: str, step: int | None = None) -> dict:
+    """Params of a checkpoint as a pure dict of numpy arrays, on host, without a learner.
+
+    (Used by the parameter server and the exporter.)
+    """
+    mgr = ocp.CheckpointManager(os.path.abspath(directory))
+    step = mgr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {directory}")
+    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    mgr.close()
+    return restored["state"]

@@ -1,0 +1,127 @@
+"""Admission control: the staleness bound, enforced when work is dispatched.
+
+Groups are numbered in dispatch order g = 0, 1, 2, ... (the data cursor). With B groups per
+update, published version v and bound eta, a new group may be dispatched only while
+
+    dispatched_groups < (eta + v + 1) * B            (AReaL's rule, in versions)
+
+and, with stale_policy "keep", the learner consumes groups strictly in dispatch order, B usable
+groups per update. Then group g is trained by the update that produces version k + 1 with
+k <= floor(g / B), and was dispatched at a published version >= floor(g / B) - eta; engines
+serve at least the published version, so every trained token has staleness k - version <= eta.
+eta = 0 with sync_every = 1 is exactly synchronous on-policy RL.
+
+Groups consumed without training (all-equal rewards filtered, or dropped) free their slots,
+so the learner always finds B usable groups (dynamic sampling) and the bound still holds.
+Failed work is re-dispatched under its original number (it can only get fresher). Nothing
+finished is thrown away unless stale_policy is "drop".
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+
+class DeadlineError(TimeoutError):
+    """A wait passed its deadline; the message says what was awaited."""
+
+
+class Coordinator:
+    """Hands out group numbers under the staleness bound; tracks published versions."""
+
+    def __init__(
+        self,
+        groups_per_update: int,
+        max_staleness: int,
+        *,
+        start_group: int = 0,
+        published_version: int = 0,
+        total_groups: int | None = None,
+    ):
+        self.B = groups_per_update
+        self.eta = max_staleness
+        self.next_group = start_group
+        self.published_version = published_version
+        self.total_groups = total_groups
+        self.retry: collections.deque[int] = collections.deque()
+        self.freed = 0
+        self.redispatched = 0
+        self.stopped = False
+        self.engine_versions: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self.wait_time = 0.0  # seconds rollout workers spent waiting for admission
+
+    def capacity(self) -> int:
+        """Groups that may be dispatched now."""
+        limit = (self.eta + self.published_version + 1) * self.B + self.freed
+        if self.total_groups is not None:
+            limit = min(limit, self.total_groups + self.freed)
+        return max(0, limit - self.next_group) + len(self.retry)
+
+    def admit(self, max_groups: int, timeout: float) -> list[tuple[int, int]]:
+        """Blocks until work is admissible; returns [(group number, published version)].
+
+        Returns [] once stop() was called; raises DeadlineError after `timeout` seconds.
+        """
+        t0 = time.perf_counter()
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.stopped or self.capacity() > 0, timeout)
+            self.wait_time += time.perf_counter() - t0
+            if self.stopped:
+                return []
+            if not ok:
+                raise DeadlineError(
+                    f"rollout waited {timeout:.0f}s for admission: published version "
+                    f"{self.published_version}, {self.next_group} groups dispatched, bound "
+                    f"(eta={self.eta} + v + 1) * {self.B}; is the learner stuck?"
+                )
+            out = []
+            while self.retry and len(out) < max_groups:
+                out.append((self.retry.popleft(), self.published_version))
+            n = min(max_groups - len(out), self.capacity() - len(self.retry))
+            for _ in range(max(0, n)):
+                out.append((self.next_group, self.published_version))
+                self.next_group += 1
+            return out
+
+    def requeue(self, groups: list[int]) -> None:
+        """Failed work goes back to be dispatched again first (same group numbers)."""
+        with self._cond:
+            self.retry.extend(sorted(groups))
+            self.redispatched += len(groups)
+            self._cond.notify_all()
+
+    def free(self, n: int) -> None:
+        """Frees the slots of n consumed-but-untrained groups (filtered, or dropped as stale).
+
+        The bound still holds: every freed group has a lower number than any group dispatched
+        after it, so a group trained by update k still has number - freed_before >= k * B.
+        """
+        with self._cond:
+            self.freed += n
+            self._cond.notify_all()
+
+    def publish(self, version: int, engine: str = "engine0") -> None:
+        """Records that engine serves `version`; the published version is the minimum served."""
+        with self._cond:
+            self.engine_versions[engine] = version
+            self.published_version = min(self.engine_versions.values())
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Wakes every waiter; admit() returns [] from now on."""
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
+
+    def state(self) -> dict:
+        """What a checkpoint needs to resume admission."""
+        with self._cond:
+            return {
+                "next_group": self.next_group,
+                "retry": list(self.retry),
+                "dropped": self.freed,
+                "redispatched": self.redispatched,
+            }

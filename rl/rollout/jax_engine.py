@@ -1,0 +1,302 @@
+"""The built-in JAX sampler: batched prefill + chunked decode with a KV cache.
+
+Shapes are bucketed (batch, prompt length, generation length), so a run compiles a handful of
+programs and then reuses them. Decoding runs in jitted chunks of `chunk` tokens; between chunks
+the host checks for an abort (partial rollouts) and whether every row has finished.
+Each row samples with its own key (fold_in of the request seed and the token index), so a
+request's output does not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from models.transformer import init_cache
+
+from rl.rollout.base import Generation, GenerationRequest, SamplingParams
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return -(-n // buckets[-1]) * buckets[-1]
+
+
+LEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def process_logits(
+    logits_BV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array
+) -> jax.Array:
+    """Temperature, then top-k and top-p truncation (masked to -inf). Greedy rows use T=1."""
+    t = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    x = logits_BV.astype(jnp.float32) / t[:, None]
+    V = x.shape[-1]
+    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+    k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
+    kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
+    x = jnp.where(x < kth, -jnp.inf, x)
+    # top-p: keep the smallest prefix of the sorted distribution with mass >= p.
+    sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = cum_before < top_p_B[:, None]
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((top_p_B[:, None] < 1.0) & (x < cutoff), -jnp.inf, x)
+    return x
+
+
+def _sample(x_BV, keys_B2, temperature_B):
+    """Samples one token per row from processed logits; returns (token, its log-prob)."""
+    logp_all = jax.nn.log_softmax(x_BV, axis=-1)
+    sampled = jax.vmap(jax.random.categorical)(keys_B2, x_BV)
+    greedy = jnp.argmax(x_BV, axis=-1)
+    tok = jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+
+@dataclasses.dataclass
+class _Batch:
+    requests: list[GenerationRequest]
+    B: int
+    Tp: int
+    N: int
+
+
+class JaxEngine:
+    """Rollout engine running the policy in process on its own devices."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        version: int = 0,
+        chunk: int = 16,
+        max_batch: int = 128,
+        deadline_s: float = 600.0,
+    ):
+        self.graphdef, params = nnx.split(model)
+        self.config = model.config
+        self.device = jax.devices()[0]
+        self.params = params
+        self.version = version
+        self.chunk = chunk
+        self.max_batch = max_batch
+        self.deadline_s = deadline_s
+        self._abort = threading.Event()  # set by abort(), cleared by resume()
+        self._interrupt = threading.Event()  # set while a weight update interrupts
+        self._lock = threading.Lock()  # held while a batch generates
+        self._cond = threading.Condition()
+        self._pending = 0  # weight updates waiting for the lock
+        self.traces = 0  # number of times a generation program was traced (compilations)
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("N",))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+        self.stats = {"tokens": 0, "time": 0.0}
+
+    # -- weights --------------------------------------------------------------------------
+    def update_weights(
+        self, version: int, path: str | None = None, params=None, *, interrupt: bool = False
+    ) -> None:
+        """Loads new weights (nnx state or HF directory); `interrupt` aborts in-flight work."""
+        if params is None and path is None:
+            raise ValueError("update_weights needs params or path")
+        if params is None:
+            from models import load_hf
+
+            model = load_hf(path)
+            params = nnx.state(model)
+        # A private copy: the learner donates its buffers to the next train step.
+        params = jax.tree.map(
+            lambda old, new: jnp.array(new, old.dtype, copy=True), self.params, params
+        )
+        with self._cond:
+            self._pending += 1
+        if interrupt:
+            self._interrupt.set()
+        with self._lock:  # drain: waits for the in-flight batch; continue: for its chunk
+            self.params = params
+            self.version = version
+        with self._cond:
+            self._pending -= 1
+            if self._pending == 0:
+                self._interrupt.clear()
+            self._cond.notify_all()
+
+    # -- compiled programs ----------------------------------------------------------------
+    def _prefill_impl(self, params, tokens_BT, lengths_B, keys_B2, temp_B, topk_B, topp_B, N):
+        self.traces += 1
+        model = nnx.merge(self.graphdef, params)
+        B, T = tokens_BT.shape
+        cache = init_cache(self.config, B, T + N)
+        logits_BTV, cache = model.prefill(tokens_BT, lengths_B, cache)
+        last = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys_B2)
+        tok, lp = _sample(process_logits(last, temp_B, topk_B, topp_B), keys, temp_B)
+        return tok, lp, cache
+
+    def _decode_impl(self, params, carry, keys_B2, temp_B, topk_B, topp_B, maxnew_B, stop_S):
+        self.traces += 1
+        model = nnx.merge(self.graphdef, params)
+
+        def one(i, c):
+            cache, tok, pos, n, done, out_tok, out_lp, step = c
+            logits, cache = model.decode(tok, pos, cache)
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, step + 1))(keys_B2)
+            new, lp = _sample(process_logits(logits, temp_B, topk_B, topp_B), keys, temp_B)
+            active = ~done
+            out_tok = jnp.where(
+                active[:, None] & (jnp.arange(out_tok.shape[1]) == n[:, None]),
+                new[:, None],
+                out_tok,
+            )
+            out_lp = jnp.where(
+                active[:, None] & (jnp.arange(out_lp.shape[1]) == n[:, None]), lp[:, None], out_lp
+            )
+            n = n + active
+            hit_stop = jnp.any(new[:, None] == stop_S[None, :], axis=-1)
+            done = done | (active & (hit_stop | (n >= maxnew_B)))
+            return (
+                cache,
+                jnp.where(active, new, tok),
+                pos + active,
+                n,
+                done,
+                out_tok,
+                out_lp,
+                step + 1,
+            )
+
+        return jax.lax.fori_loop(0, self.chunk, one, carry)
+
+    # -- generation -----------------------------------------------------------------------
+    def abort(self) -> None:
+        """Makes in-flight and later generate() calls return at a chunk boundary, until resume()."""
+        self._abort.set()
+
+    def resume(self) -> None:
+        """Undoes abort()."""
+        self._abort.clear()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """Completes every request (in batches of at most max_batch)."""
+        out: list[Generation] = []
+        for i in range(0, len(requests), self.max_batch):
+            out.extend(self._generate_batch(requests[i : i + self.max_batch]))
+        return out
+
+    def _generate_batch(self, reqs: list[GenerationRequest]) -> list[Generation]:
+        t0 = time.perf_counter()
+        n = len(reqs)
+        B = min(_bucket(n, BATCH_BUCKETS), max(self.max_batch, n))
+        prompt_lens = np.array([len(r.prompt_ids) for r in reqs], np.int32)
+        if prompt_lens.min() < 1:
+            raise ValueError("every request needs a prompt of at least one token")
+        Tp = _bucket(int(prompt_lens.max()), LEN_BUCKETS)
+        max_new = np.array([r.params.max_new_tokens for r in reqs], np.int32)
+        N = _bucket(int(max_new.max()), LEN_BUCKETS)
+        tokens = np.zeros((B, Tp), np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i, : prompt_lens[i]] = r.prompt_ids
+        lengths = np.ones(B, np.int32)
+        lengths[:n] = prompt_lens
+
+        def per_row(f, dtype, fill):
+            a = np.full(B, fill, dtype)
+            a[:n] = [f(r.params) for r in reqs]
+            return a
+
+        temp = per_row(lambda p: p.temperature, np.float32, 1.0)
+        topk = per_row(lambda p: p.top_k, np.int32, 0)
+        topp = per_row(lambda p: p.top_p, np.float32, 1.0)
+        maxnew = np.ones(B, np.int32)
+        maxnew[:n] = max_new
+        seeds = [
+            r.params.seed if r.params.seed is not None else zlib.crc32(r.request_id.encode())
+            for r in reqs
+        ]
+        keys = np.zeros((B, 2), np.uint32)
+        keys[:n] = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds])
+        stops = sorted({t for r in reqs for t in r.params.stop_token_ids}) or [-1]
+        stop_S = np.full(_bucket(len(stops), (4, 8, 16, 64)), -1, np.int32)
+        stop_S[: len(stops)] = stops
+
+        with self._cond:  # a pending weight update goes first
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout=self.deadline_s):
+                raise TimeoutError(
+                    f"JaxEngine: weight update still pending after {self.deadline_s}s"
+                )
+        with self._lock:
+            return self._generate_locked(
+                reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_S, N, B, n, t0
+            )
+
+    def _generate_locked(
+        self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_S, N, B, n, t0
+    ):
+        params, version = self.params, self.version
+        tok, lp, cache = self._prefill(params, tokens, lengths, keys, temp, topk, topp, N=N)
+        out_tok = np.zeros((B, N), np.int32)
+        out_lp = np.zeros((B, N), np.float32)
+        tok_np, lp_np = np.asarray(tok), np.asarray(lp)
+        out_tok[:, 0], out_lp[:, 0] = tok_np, lp_np
+        n_gen = np.ones(B, np.int32)
+        done = np.isin(tok_np, stop_S[stop_S >= 0]) | (maxnew <= 1)
+        done[n:] = True
+        carry = (
+            cache,
+            tok,
+            jnp.asarray(lengths),
+            n_gen,
+            done,
+            out_tok,
+            out_lp,
+            jnp.zeros((), jnp.int32),
+        )
+        aborted = False
+        while not bool(np.all(np.asarray(carry[4]))):
+            if self._abort.is_set() or self._interrupt.is_set():
+                aborted = True
+                break
+            carry = self._decode(params, carry, keys, temp, topk, topp, maxnew, stop_S)
+        _, _, _, n_gen, done, out_tok, out_lp, _ = jax.device_get(carry)
+        gens = []
+        for i, r in enumerate(reqs):
+            k = int(n_gen[i])
+            ids = out_tok[i, :k]
+            if aborted and not done[i]:
+                reason = "abort"
+            elif k and int(ids[-1]) in r.params.stop_token_ids:
+                reason = "stop"
+            else:
+                reason = "length"
+            gens.append(
+                Generation(
+                    r.request_id,
+                    ids.astype(np.int32),
+                    out_lp[i, :k].astype(np.float32),
+                    np.full(k, version, np.int32),
+                    reason,
+                )
+            )
+        self.stats["tokens"] += int(n_gen[:n].sum())
+        self.stats["time"] += time.perf_counter() - t0
+        return gens
+
+    def close(self) -> None:
+        """Nothing to release for the in-process sampler."""
+
+
+def greedy(max_new_tokens: int, stop_token_ids=()) -> SamplingParams:
+    """Sampling params for greedy decoding."""
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids)
+    )
