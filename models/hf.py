@@ -1,0 +1,335 @@
+"""Hugging Face interop: safetensors tensors <-> parameter state, and load_hf / save_hf.
+
+Names map one to one: the nnx path `model.layers.0.self_attn.q_proj.kernel` is the HF tensor
+`model.layers.0.self_attn.q_proj.weight` transposed (torch Linear is (out, in), Flax (in, out));
+`embedding` becomes `weight` as is; biases and norm weights keep their names. A tied model has no
+`lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+from jax.sharding import Mesh
+
+from models.config import ModelConfig
+from models.sharding import state_shardings
+from models.transformer import Transformer
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's "5GB"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template.*",
+    "*.tiktoken",
+    "spiece.model",
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+_NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype("bfloat16")}
+
+
+# --- name map -------------------------------------------------------------------------------
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """(HF tensor name, whether it is transposed) for an nnx parameter path."""
+    *prefix, leaf = (str(p) for p in path)
+    stem = ".".join(prefix)
+    if leaf == "kernel":
+        return f"{stem}.weight", True
+    if leaf == "embedding":
+        return f"{stem}.weight", False
+    return f"{stem}.{leaf}", False
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(config: ModelConfig) -> tuple[tuple[tuple, str, bool, tuple[int, ...]], ...]:
+    """(nnx path, HF name, transposed, HF shape) of every parameter, in HF file order."""
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
+    rows = []
+    for path, leaf in _flatten(abstract.to_pure_dict()).items():
+        name, transposed = hf_name(path)
+        shape = tuple(leaf.shape[::-1]) if transposed else tuple(leaf.shape)
+        rows.append((path, name, transposed, shape))
+    return tuple(sorted(rows, key=lambda r: _order_key(r[0])))
+
+
+def _order_key(path: tuple) -> tuple:
+    """embed_tokens, layers by number, norm, lm_head."""
+    parts = [str(p) for p in path]
+    group = {"embed_tokens": 0, "layers": 1, "norm": 2}.get(parts[1], 3) if len(parts) > 1 else 3
+    if parts[0] == "lm_head":
+        group = 4
+    layer = int(parts[2]) if group == 1 else -1
+    return (group, layer, parts)
+
+
+def _flatten(tree: Any, prefix: tuple = ()) -> dict[tuple, Any]:
+    """Nested mapping -> {path: leaf}; an nnx Variable or a {"value": x} node is a leaf."""
+    if isinstance(tree, nnx.Variable):
+        return {prefix: tree.value}
+    if isinstance(tree, Mapping):
+        if set(tree.keys()) == {"value"}:
+            return {prefix: tree["value"]}
+        out = {}
+        for key, sub in tree.items():
+            out.update(_flatten(sub, (*prefix, key)))
+        return out
+    return {prefix: tree}
+
+
+def _unflatten(flat: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+# --- pure conversions -----------------------------------------------------------------------
+
+
+def to_hf_tensors(
+    config: ModelConfig, params_state: Any, *, dtype: str | None = None
+) -> dict[str, np.ndarray]:
+    """HF-named host arrays (torch layout, file order) from a parameter state or its pure dict."""
+    if hasattr(params_state, "to_pure_dict"):
+        params_state = params_state.to_pure_dict()
+    flat = {tuple(str(p) for p in k): v for k, v in _flatten(params_state).items()}
+    if dtype is not None and dtype not in _NP_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid; use one of {sorted(_NP_DTYPES)}")
+    out_dtype = _NP_DTYPES[dtype] if dtype else None
+    layout = _layout(config)
+    expected = {tuple(str(p) for p in row[0]) for row in layout}
+    missing = sorted(".".join(p) for p in expected - flat.keys())
+    extra = sorted(".".join(p) for p in flat.keys() - expected)
+    if missing or extra:
+        raise ValueError(
+            f"parameter state does not match the config: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    tensors = {}
+    for path, name, transposed, shape in layout:
+        value = np.asarray(jax.device_get(flat[tuple(str(p) for p in path)]))
+        if transposed:
+            value = value.T
+        if value.shape != shape:
+            raise ValueError(f"{name}: shape {value.shape} does not match the config's {shape}")
+        if out_dtype is not None:
+            value = value.astype(out_dtype)
+        tensors[name] = np.ascontiguousarray(value)
+    return tensors
+
+
+def from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
+    """The parameter state as a pure dict (nnx layout, config.param_dtype) from HF tensors."""
+    layout = _layout(config)
+    known = {row[1] for row in layout}
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    extra = sorted(
+        n
+        for n in tensors
+        if n not in known and n not in ignored and not n.endswith(_IGNORED_SUFFIXES)
+    )
+    missing = sorted(known - set(tensors))
+    if missing or extra:
+        raise ValueError(
+            f"HF tensors do not match the config ({config.model_type}, "
+            f"tie_word_embeddings={config.tie_word_embeddings}): missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    dtype = _NP_DTYPES[config.param_dtype]
+    flat = {}
+    for path, name, transposed, shape in layout:
+        value = np.asarray(tensors[name])
+        if value.shape != shape:
+            raise ValueError(f"HF tensor {name} has shape {value.shape}; the config needs {shape}")
+        flat[path] = np.ascontiguousarray(value.T if transposed else value).astype(
+            dtype, copy=False
+        )
+    return _unflatten(flat)
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of an HF directory (one file, or shards listed by the index json)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    tensors = {}
+    for name in files:
+        with safetensors.safe_open(os.path.join(path, name), framework="numpy") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _plan_shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += value.nbytes
+    return shards
+
+
+def save_hf_tensors(
+    config: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    path: str,
+    *,
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write an HF directory (safetensors shard by shard, config, tokenizer), all fsynced.
+
+    Returns the names of the files written, relative to `path`.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    os.makedirs(path, exist_ok=True)
+    shards = _plan_shards(tensors, max_shard_bytes)
+    n = len(shards)
+    names = (
+        [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    written = []
+    for file_name, keys in zip(names, shards):
+        target = os.path.join(path, file_name)
+        safetensors.numpy.save_file(
+            {k: np.ascontiguousarray(tensors[k]) for k in keys}, target, metadata={"format": "pt"}
+        )
+        _fsync(target)
+        written.append(file_name)
+    if n > 1:
+        weight_map = {k: file_name for file_name, keys in zip(names, shards) for k in keys}
+        total = int(sum(v.nbytes for v in tensors.values()))
+        _write_json(
+            os.path.join(path, INDEX_FILE),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+        written.append(INDEX_FILE)
+    for stale in os.listdir(path):  # an earlier save's weights would confuse loaders
+        is_weights = fnmatch.fnmatch(stale, "model*.safetensors") or stale == INDEX_FILE
+        if is_weights and stale not in written:
+            os.remove(os.path.join(path, stale))
+
+    hf_config = config.to_hf()
+    stored = str(next(iter(tensors.values())).dtype) if tensors else config.param_dtype
+    hf_config["torch_dtype"] = hf_config["dtype"] = stored
+    _write_json(os.path.join(path, "config.json"), hf_config)
+    generation = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if hf_config[key] is not None:
+            generation[key] = hf_config[key]
+    _write_json(os.path.join(path, "generation_config.json"), generation)
+    written += ["config.json", "generation_config.json"]
+    if tokenizer_dir is not None:
+        written += _copy_tokenizer(tokenizer_dir, path)
+    _fsync(path)
+    return written
+
+
+def _copy_tokenizer(tokenizer_dir: str, path: str) -> list[str]:
+    files = sorted(
+        f
+        for f in os.listdir(tokenizer_dir)
+        if os.path.isfile(os.path.join(tokenizer_dir, f))
+        and any(fnmatch.fnmatch(f, p) for p in TOKENIZER_PATTERNS)
+    )
+    if not files:
+        raise FileNotFoundError(
+            f"tokenizer_dir={tokenizer_dir!r} has no tokenizer files; "
+            f"looked for {TOKENIZER_PATTERNS}"
+        )
+    for f in files:
+        target = os.path.join(path, f)
+        shutil.copyfile(os.path.join(tokenizer_dir, f), target)
+        _fsync(target)
+    return files
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+def load_hf(
+    path: str, *, dtype: str | None = None, mesh: Mesh | None = None, **overrides
+) -> Transformer:
+    """A Transformer from a local HF directory, placed on `mesh` (default: one device).
+
+    `dtype` sets both parameter and compute dtype (default: the checkpoint's, else float32);
+    `overrides` set other ModelConfig fields (e.g. remat="full").
+    """
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    if dtype is not None:
+        overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+    config = ModelConfig.from_hf(hf_config, **overrides)
+    params = from_hf_tensors(config, read_hf_tensors(path))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    if mesh is None:
+        placed = jax.tree.map(jax.device_put, params)
+    else:
+        shardings = state_shardings(config, abstract, mesh).to_pure_dict()
+        placed = jax.tree.map(jax.device_put, params, shardings)
+    nnx.replace_by_pure_dict(abstract, placed)
+    return nnx.merge(graphdef, abstract)
+
+
+def save_hf(
+    model: Transformer,
+    path: str,
+    *,
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: str | None = None,
+) -> list[str]:
+    """Write `model` as an HF directory that transformers and vLLM load as is."""
+    tensors = to_hf_tensors(model.config, nnx.state(model, nnx.Param), dtype=dtype)
+    return save_hf_tensors(
+        model.config, tensors, path, tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes
+    )

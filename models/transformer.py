@@ -1,0 +1,356 @@
+"""Decoder-only LM (Qwen2 / Llama / Qwen3) in flax.nnx: HF attribute names, logical axes, KV cache.
+
+Attribute paths equal the HF parameter names (`model.layers.0.self_attn.q_proj` ...), kernels
+are (in, out), so HF conversion is a rename of `kernel`/`embedding` to `weight` plus a transpose.
+Every parameter carries logical axis names (models/sharding.py maps them to mesh axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+
+INIT_STD = 0.02  # HF initializer_range
+
+
+_NORMAL = nnx.initializers.normal(INIT_STD)
+_ZEROS = nnx.initializers.zeros_init()
+
+
+def _init(axes: tuple[str, ...], init=_NORMAL):
+    """An initializer that tags its parameter with logical axes (sharded later, not eagerly)."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """RMS norm over the last axis, computed in float32 like HF."""
+
+    def __init__(self, dim: int, axis: str, config: ModelConfig):
+        self.weight = nnx.Param(
+            jnp.ones((dim,), config.param_dtype), out_sharding=(axis,), eager_sharding=False
+        )
+        self.eps = config.rms_norm_eps
+        self.dtype = config.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(self.dtype) * x32.astype(self.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
+    """Rotary inverse frequencies [head_dim / 2] (float32), with HF's linear / llama3 scaling."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim
+    inv = 1.0 / (theta**exponents)
+    rope = dict(scaling) if scaling else {}
+    kind = rope.get("rope_type")
+    if kind == "linear":
+        inv = inv / rope["factor"]
+    elif kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_freq_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rotary(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, 1, head_dim] in the compute dtype, HF rotate-half layout."""
+    scaling = tuple(sorted(config.rope_scaling.items())) if config.rope_scaling else None
+    inv = jnp.asarray(_inv_freq(config.head_dim, config.rope_theta, scaling))
+    freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv
+    emb_BTH = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
+    cos, sin = jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+    return cos[:, :, None, :].astype(config.dtype), sin[:, :, None, :].astype(config.dtype)
+
+
+def _apply_rotary(x_BTNH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x_BTNH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
+    return x_BTNH * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention projections (q/k/v/o, optional q/k norms)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        linear = functools.partial(
+            nnx.Linear, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+        )
+        bias = config.attention_bias
+        self.q_proj = linear(
+            D,
+            N * H,
+            use_bias=bias,
+            kernel_init=_init(("embed", "heads")),
+            bias_init=_init(("heads",), _ZEROS),
+        )
+        self.k_proj = linear(
+            D,
+            K * H,
+            use_bias=bias,
+            kernel_init=_init(("embed", "kv_heads")),
+            bias_init=_init(("kv_heads",), _ZEROS),
+        )
+        self.v_proj = linear(
+            D,
+            K * H,
+            use_bias=bias,
+            kernel_init=_init(("embed", "kv_heads")),
+            bias_init=_init(("kv_heads",), _ZEROS),
+        )
+        self.o_proj = linear(
+            N * H,
+            D,
+            use_bias=bias and config.model_type != "qwen2",  # Qwen2: q/k/v biases only
+            kernel_init=_init(("heads", "embed")),
+            bias_init=_init(("embed",), _ZEROS),
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(H, "head_dim", config)
+            self.k_norm = RMSNorm(H, "head_dim", config)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+
+    def project(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array]):
+        """(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) with q/k norms and rotary applied."""
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin), v
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        D, F = config.hidden_size, config.intermediate_size
+        linear = functools.partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            rngs=rngs,
+        )
+        self.gate_proj = linear(D, F, kernel_init=_init(("embed", "mlp")))
+        self.up_proj = linear(D, F, kernel_init=_init(("embed", "mlp")))
+        self.down_proj = linear(F, D, kernel_init=_init(("mlp", "embed")))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.self_attn = Attention(config, rngs)
+        self.mlp = MLP(config, rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, "embed", config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config)
+        self.attention_impl = config.attention_impl
+
+    def __call__(self, x_BTD, rope, attend):
+        """The block's output and whatever `attend(q, k, v) -> (o_BTNH, extra)` returned."""
+        B, T, _ = x_BTD.shape
+        q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), rope)
+        o_BTNH, extra = attend(q, k, v)
+        x_BTD = x_BTD + self.self_attn.o_proj(o_BTNH.reshape(B, T, -1))
+        x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+        return x_BTD, extra
+
+
+class Decoder(nnx.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            embedding_init=_init(("vocab", "embed")),
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, "embed", config)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer keys and values, each [B, S, num_kv_heads, head_dim]; slot s = position s."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        """Number of slots S."""
+        return self.k[0].shape[1]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An all-zero KV cache for `batch` rows of up to `max_len` positions."""
+    shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+    dtype = dtype or config.dtype
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+    return KVCache(k=zeros(), v=zeros())
+
+
+def _causal_attention(q, k, v, mask_B1TS, implementation):
+    o = jax.nn.dot_product_attention(
+        q, k, v, mask=mask_B1TS, is_causal=True, implementation=implementation
+    )
+    return o, None
+
+
+def _forward_block(layer: DecoderLayer, x_BTD, rope, mask_B1TS):
+    attend = functools.partial(
+        _causal_attention, mask_B1TS=mask_B1TS, implementation=layer.attention_impl
+    )
+    return layer(x_BTD, rope, attend)[0]
+
+
+_REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+def _write_slot(cache_BSKH: jax.Array, new_B1KH: jax.Array, positions_B: jax.Array) -> jax.Array:
+    update = lambda c, x, p: jax.lax.dynamic_update_slice(c, x, (p, 0, 0))
+    return jax.vmap(update)(cache_BSKH, new_B1KH.astype(cache_BSKH.dtype), positions_B)
+
+
+class Transformer(nnx.Module):
+    """Causal LM: `model(tokens_BT, positions, segment_ids) -> logits_BTV` (float32)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if config.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+            raise ValueError(
+                f"attention_impl='cudnn' needs a GPU backend, but jax.default_backend() is "
+                f"{jax.default_backend()!r}; use attention_impl='xla'"
+            )
+        self.config = config
+        self.model = Decoder(config, rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Linear(
+                config.hidden_size,
+                config.vocab_size,
+                use_bias=False,
+                dtype=config.dtype,
+                param_dtype=config.param_dtype,
+                kernel_init=_init(("embed", "vocab")),
+                rngs=rngs,
+            )
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The output projection w_DV in the compute dtype (the embedding transposed when tied)."""
+        if self.lm_head is None:
+            w_DV = self.model.embed_tokens.embedding.value.T
+        else:
+            w_DV = self.lm_head.kernel.value
+        return w_DV.astype(self.config.dtype)
+
+    def _logits(self, h_BTD: jax.Array) -> jax.Array:
+        return jnp.einsum(
+            "btd,dv->btv", h_BTD, self.lm_head_kernel(), preferred_element_type=jnp.float32
+        )
+
+    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+        """Final-norm hidden states h_BTD (compute dtype); segment_ids 0 marks padding."""
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        mask_B1TS = None
+        if segment_ids_BT is not None:
+            mask_B1TS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
+        rope = rotary(self.config, positions_BT)
+        block = _forward_block
+        if self.config.remat != "none":
+            block = nnx.remat(block, policy=_REMAT_POLICIES[self.config.remat])
+        x_BTD = self.model.embed_tokens(tokens_BT)
+        for layer in self.model.layers:
+            x_BTD = block(layer, x_BTD, rope, mask_B1TS)
+        return self.model.norm(x_BTD)
+
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+        """Logits [B, T, V] in float32 (positions default to arange(T) in every row)."""
+        return self._logits(self.hidden_states(tokens_BT, positions_BT, segment_ids_BT))
+
+    def prefill(self, tokens_BT, lengths_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Logits [B, T, V] of right-padded prompts, and the cache with slots [0, len_b) written."""
+        B, T = tokens_BT.shape
+        if T > cache.max_len:
+            raise ValueError(f"prompt length T={T} exceeds the cache's max_len={cache.max_len}")
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        valid_BT11 = (positions_BT < lengths_B[:, None])[:, :, None, None]
+        rope = rotary(self.config, positions_BT)
+        impl = self.config.attention_impl
+
+        def attend(q, k, v):
+            return _causal_attention(q, k, v, None, impl)[0], (k, v)
+
+        x_BTD = self.model.embed_tokens(tokens_BT)
+        ks, vs = [], []
+        for i, layer in enumerate(self.model.layers):
+            x_BTD, (k, v) = layer(x_BTD, rope, attend)
+            for new, old, out in ((k, cache.k[i], ks), (v, cache.v[i], vs)):
+                new = jnp.where(valid_BT11, new, 0).astype(old.dtype)
+                out.append(jax.lax.dynamic_update_slice(old, new, (0, 0, 0, 0)))
+        logits_BTV = self._logits(self.model.norm(x_BTD))
+        return logits_BTV, KVCache(k=tuple(ks), v=tuple(vs))
+
+    def decode(self, tokens_B, positions_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Next-token logits [B, V] for one token per row at positions_B (its cache slot)."""
+        S = cache.max_len
+        rope = rotary(self.config, positions_B[:, None])
+        mask_B11S = (jnp.arange(S)[None, :] <= positions_B[:, None])[:, None, None, :]
+        x_B1D = self.model.embed_tokens(tokens_B[:, None])
+        ks, vs = [], []
+        for i, layer in enumerate(self.model.layers):
+
+            def attend(q, k, v, i=i):
+                k_BSKH = _write_slot(cache.k[i], k, positions_B)
+                v_BSKH = _write_slot(cache.v[i], v, positions_B)
+                o = jax.nn.dot_product_attention(  # one query row: plain XLA attention
+                    q,
+                    k_BSKH.astype(q.dtype),
+                    v_BSKH.astype(q.dtype),
+                    mask=mask_B11S,
+                    implementation="xla",
+                )
+                return o, (k_BSKH, v_BSKH)
+
+            x_B1D, (k, v) = layer(x_B1D, rope, attend)
+            ks.append(k)
+            vs.append(v)
+        logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
+        return logits_BV, KVCache(k=tuple(ks), v=tuple(vs))
