@@ -156,7 +156,14 @@ def _empty(ax: Axes, text: str) -> None:
 
 
 def _line_panel(
-    ax: Axes, runs: list[Run], x: str, metric: str, *, marker: str = "", band: bool = False
+    ax: Axes,
+    runs: list[Run],
+    x: str,
+    metric: str,
+    *,
+    marker: str = "",
+    band: bool = False,
+    label_mean: bool = False,
 ) -> int:
     """One line per run that logged `metric`; returns how many were drawn."""
     drawn = 0
@@ -166,7 +173,8 @@ def _line_panel(
             _note(f"{run.name}: no {metric}; skipped")
             continue
         xs, ys = xy
-        ax.plot(xs, ys, marker=marker, markersize=3, color=f"C{i % 10}", label=run.name)
+        label = f"{run.name} (mean {ys.mean():.2f})" if label_mean else run.name
+        ax.plot(xs, ys, marker=marker, markersize=3, color=f"C{i % 10}", label=label)
         std_name = metric[: -len("/mean")] + "/std" if metric.endswith("/mean") else ""
         sd = _series(run, x, std_name) if band and std_name else None
         if sd is not None and len(sd[0]) == len(xs):
@@ -244,7 +252,8 @@ def plot_staleness(runs: Run | Sequence[Run], out: str | os.PathLike = "stalenes
         ax.set_xlabel("policy version (update)")
         ax.set_ylabel("fraction of trained tokens")
         ax.set_title(f"{run.name}: staleness per version", fontsize=10)
-        ax.legend(title="staleness", fontsize=7, ncol=2, loc="lower left")
+        if i == 0:  # the colours are the same in every panel
+            ax.legend(title="staleness", fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
         overall = [float(df[c].mean()) if c in cols else 0.0 for c in STALENESS_BINS]
         pos = [k - 0.4 + width * (i + 0.5) for k in range(len(labels))]
         hist_ax.bar(pos, overall, width=width, color=f"C{runs.index(run) % 10}", label=run.name)
@@ -270,7 +279,7 @@ def plot_idle(
     runs = _as_runs(runs)
     fig, axes = _figure(1, 2)
     for ax, metric in zip(axes, (IDLE_LEARNER, IDLE_ROLLOUT)):
-        _line_panel(ax, runs, x, metric)
+        _line_panel(ax, runs, x, metric, label_mean=True)
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{metric} (fraction of wall time waiting)", fontsize=10)
     return _save(fig, out)
@@ -291,7 +300,7 @@ def plot_throughput(
     shares = {}
     for run in runs:
         wall = run.metrics["time"].max()
-        if timing and wall and wall > 0:
+        if any(run.has(c) for c in timing) and wall > 0:
             shares[run.name] = [
                 float(run.metrics[c].sum()) / wall if c in run.metrics.columns else 0.0
                 for c in timing
