@@ -14,6 +14,8 @@ import os
 import sys
 import threading
 import time
+import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -230,9 +232,14 @@ def _to_number(key: str, value: Any) -> float | int | None:
         return v if math.isfinite(v) else None
     if hasattr(value, "shape") and hasattr(value, "dtype"):  # 0-d / size-1 np or jax arrays
         arr = np.asarray(value)
-        if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-            return _to_number(key, arr.reshape(()).item())
-        raise ValueError(f"metric {key!r}: expected a scalar, got array of shape {arr.shape}")
+        if arr.size != 1:
+            raise ValueError(f"metric {key!r}: expected a scalar, got array of shape {arr.shape}")
+        if np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+            return int(arr.reshape(()).item())
+        try:
+            return _to_number(key, float(arr.reshape(())))  # also bfloat16 and other ml_dtypes
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"metric {key!r}: expected a number, got dtype {arr.dtype}") from e
     raise TypeError(f"metric {key!r}: expected int or float, got {type(value).__name__} {value!r}")
 
 
@@ -300,10 +307,25 @@ class MetricsWriter:
 
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter  # lazy: optional on the GPU machine
-
-            purge = resume_step + 1 if resume_step is not None else None
-            self._tb = SummaryWriter(logdir=str(self.run_dir), purge_step=purge, flush_secs=10)
+            try:
+                from tensorboardX import SummaryWriter  # lazy: not installed everywhere
+            except ImportError:
+                warnings.warn(
+                    "tensorboardX is not installed: writing metrics.jsonl only "
+                    "(pip install tensorboardX, or set logging.tensorboard=false)",
+                    stacklevel=2,
+                )
+            else:
+                # purge_step: TensorBoard hides events a crashed run wrote after the resumed step.
+                purge = resume_step + 1 if resume_step is not None else None
+                # A unique suffix: tensorboardX names files by the second, and a quick
+                # crash-and-resume must not overwrite the previous session's events.
+                self._tb = SummaryWriter(
+                    logdir=str(self.run_dir),
+                    purge_step=purge,
+                    flush_secs=10,
+                    filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}",
+                )
 
         isatty = getattr(self._stream, "isatty", None)
         self._bar = bool(progress and isatty is not None and isatty())

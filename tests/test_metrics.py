@@ -74,6 +74,29 @@ def test_jsonl_lines_keys_types_and_flush(tmp_path):
     assert rows[1]["flag/on"] == 1
 
 
+def test_jax_scalars_including_bfloat16(tmp_path):
+    import jax.numpy as jnp
+
+    w = make_writer(tmp_path, FakeClock())
+    w.log(0, 0, {"a/bf16": jnp.asarray(1.5, jnp.bfloat16), "a/f32": jnp.float32(0.25),
+                 "a/i32": jnp.asarray(3), "a/nan": jnp.asarray(jnp.nan, jnp.bfloat16)})  # fmt: skip
+    w.close()
+    (row,) = strict_rows(tmp_path / "metrics.jsonl")
+    assert row["a/bf16"] == 1.5 and row["a/f32"] == 0.25 and row["a/nan"] is None
+    assert row["a/i32"] == 3 and type(row["a/i32"]) is int
+
+
+def test_missing_tensorboardx_falls_back_to_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "tensorboardX", None)  # import fails
+    with pytest.warns(UserWarning, match="tensorboardX is not installed"):
+        w = make_writer(tmp_path, FakeClock(), tensorboard=True)
+    w.log(0, 0, {"reward/mean": 1.0})
+    w.log_histogram(0, "staleness/tokens", [0, 1])
+    w.close()
+    assert strict_rows(tmp_path / "metrics.jsonl")[0]["reward/mean"] == 1.0
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+
+
 def test_nonfinite_values_are_null(tmp_path):
     w = make_writer(tmp_path, FakeClock())
     w.log(3, 2, {"a/nan": float("nan"), "a/inf": np.inf, "a/ninf": np.float64(-np.inf),
@@ -125,6 +148,26 @@ def test_resume_truncates_later_steps_and_time_stays_monotone(tmp_path):
     assert rows[-1]["time"] == 42.0
     times = [r["time"] for r in rows]
     assert times == sorted(times)
+
+
+def test_resume_purges_later_tensorboard_steps(tmp_path):
+    from tensorboardX.proto import event_pb2
+
+    w = make_writer(tmp_path, FakeClock(), tensorboard=True)
+    for step in range(6):
+        w.log(step, step, {"reward/mean": 1.0})
+    w.close()
+    w = make_writer(tmp_path, FakeClock(), tensorboard=True, resume=3)
+    w.log(4, 4, {"reward/mean": 2.0})
+    w.close()
+    events = tb_events(tmp_path)
+    starts = [(ev.step, ev.session_log.status) for ev in events if ev.HasField("session_log")]
+    # TensorBoard drops earlier events with step >= a START event's step (the crashed tail).
+    assert starts == [(4, event_pb2.SessionLog.START)]
+    # Both sessions' files survive (written within the same second, yet not overwritten).
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    steps = sorted(ev.step for ev in events for v in ev.summary.value if v.tag == "reward/mean")
+    assert steps == [0, 1, 2, 3, 4, 4, 5]
 
 
 def test_resume_true_appends_and_fresh_start_replaces(tmp_path):
