@@ -63,7 +63,7 @@ def _layout(config: ModelConfig) -> tuple[tuple[tuple, str, bool, tuple[int, ...
     """(nnx path, HF name, transposed, HF shape) of every parameter, in HF file order."""
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     rows = []
-    for path, leaf in _flatten(abstract.to_pure_dict()).items():
+    for path, leaf in _flatten(abstract).items():
         name, transposed = hf_name(path)
         shape = tuple(leaf.shape[::-1]) if transposed else tuple(leaf.shape)
         rows.append((path, name, transposed, shape))
@@ -83,7 +83,7 @@ def _order_key(path: tuple) -> tuple:
 def _flatten(tree: Any, prefix: tuple = ()) -> dict[tuple, Any]:
     """Nested mapping -> {path: leaf}; an nnx Variable or a {"value": x} node is a leaf."""
     if isinstance(tree, nnx.Variable):
-        return {prefix: tree.value}
+        return {prefix: tree.get_value()}
     if isinstance(tree, Mapping):
         if set(tree.keys()) == {"value"}:
             return {prefix: tree["value"]}
@@ -111,8 +111,6 @@ def to_hf_tensors(
     config: ModelConfig, params_state: Any, *, dtype: str | None = None
 ) -> dict[str, np.ndarray]:
     """HF-named host arrays (torch layout, file order) from a parameter state or its pure dict."""
-    if hasattr(params_state, "to_pure_dict"):
-        params_state = params_state.to_pure_dict()
     flat = {tuple(str(p) for p in k): v for k, v in _flatten(params_state).items()}
     if dtype is not None and dtype not in _NP_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not valid; use one of {sorted(_NP_DTYPES)}")
@@ -314,7 +312,7 @@ def load_hf(
     if mesh is None:
         placed = jax.tree.map(jax.device_put, params)
     else:
-        shardings = state_shardings(config, abstract, mesh).to_pure_dict()
+        shardings = _unflatten(_flatten(state_shardings(config, abstract, mesh)))
         placed = jax.tree.map(jax.device_put, params, shardings)
     nnx.replace_by_pure_dict(abstract, placed)
     return nnx.merge(graphdef, abstract)

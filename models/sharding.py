@@ -121,8 +121,10 @@ def state_shardings(config: ModelConfig, state: nnx.State, mesh: Mesh) -> nnx.St
     sizes = config_sizes(config)
 
     def one(var):
-        axes = var.get_metadata().get("out_sharding") or (None,) * len(var.value.shape)
-        return var.replace(NamedSharding(mesh, logical_to_spec(axes, mesh, var.value.shape, sizes)))
+        axes = var.get_metadata().get("out_sharding") or (None,) * len(var.get_value().shape)
+        return var.replace(
+            NamedSharding(mesh, logical_to_spec(axes, mesh, var.get_value().shape, sizes))
+        )
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -43,7 +43,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(self.dtype) * x32.astype(self.dtype)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -274,9 +274,9 @@ class Transformer(nnx.Module):
     def lm_head_kernel(self) -> jax.Array:
         """The output projection w_DV in the compute dtype (the embedding transposed when tied)."""
         if self.lm_head is None:
-            w_DV = self.model.embed_tokens.embedding.value.T
+            w_DV = self.model.embed_tokens.embedding[...].T
         else:
-            w_DV = self.lm_head.kernel.value
+            w_DV = self.lm_head.kernel[...]
         return w_DV.astype(self.config.dtype)
 
     def _logits(self, h_BTD: jax.Array) -> jax.Array:
