@@ -149,6 +149,12 @@ def _save(fig: Figure, out: str | os.PathLike) -> Path:
     return path
 
 
+def _integer_ticks(ax: Axes) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _empty(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_xticks([])
@@ -183,6 +189,8 @@ def _line_panel(
     ax.set_xlabel(X_LABELS[x])
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
+    if x != "time":
+        _integer_ticks(ax)
     if drawn:
         ax.legend(fontsize=8)
     else:
@@ -249,6 +257,7 @@ def plot_staleness(runs: Run | Sequence[Run], out: str | os.PathLike = "stalenes
             colors=[colors[STALENESS_BINS.index(c)] for c in cols],
         )
         ax.set_ylim(0, 1)
+        _integer_ticks(ax)
         ax.set_xlabel("policy version (update)")
         ax.set_ylabel("fraction of trained tokens")
         ax.set_title(f"{run.name}: staleness per version", fontsize=10)
