@@ -192,7 +192,7 @@ def _clipped_surrogate(
         # Ye et al. 2020: for A < 0 the objective is max(min(r A, clip(r) A), c A), which
         # bounds the loss of a very large ratio at -c A (and cuts its gradient).
         floor = cfg.dual_clip_c * adv
-        dual_clipped = obj < floor
+        dual_clipped = (adv < 0) & (obj < floor)
         obj = jnp.where(adv < 0, jnp.maximum(obj, floor), obj)
     stats = {
         "clipped_low": (ratio < lo) & (adv < 0),
