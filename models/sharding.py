@@ -79,14 +79,14 @@ def logical_to_spec(
             continue
         if name not in RULES:
             raise ValueError(f"unknown logical axis {name!r}; valid: {sorted(RULES)}")
-        axes = tuple(a for a in RULES[name] if a in mesh.shape and a not in used)
+        axes = tuple(a for a in RULES[name] if mesh.shape.get(a, 1) > 1 and a not in used)
         ways = math.prod(mesh.shape[a] for a in axes)
         dims = []
         if sizes and name in sizes:
             dims.append(sizes[name])
         if shape is not None:
             dims.append(shape[i])
-        if not axes or ways == 1 or any(d % ways for d in dims):
+        if not axes or any(d % ways for d in dims):
             spec.append(None)
             continue
         used.update(axes)
