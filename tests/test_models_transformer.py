@@ -1,0 +1,89 @@
+"""Transformer: remat policies change nothing, bfloat16 dtypes, attention backend errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import Transformer, create_model, init_cache, tiny
+
+
+def _randomize(model, seed=0):
+    """Random weights of a useful scale (norm weights near 1), in each parameter's dtype."""
+    leaves, treedef = jax.tree.flatten_with_path(nnx.state(model, nnx.Param))
+    rng = np.random.RandomState(seed)
+    new = []
+    for path, x in leaves:
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
+        new.append(jnp.asarray(value, x.dtype))
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+    return model
+
+
+def _loss_and_grads(model, tokens, weights):
+    def loss(m):
+        return jnp.sum(m(tokens) * weights)
+
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+
+def test_remat_policies_give_identical_values_and_gradients():
+    rng = np.random.RandomState(0)
+    tokens = jnp.asarray(rng.randint(0, 128, (2, 10)))
+    weights = jnp.asarray(rng.standard_normal((2, 10, 128)).astype(np.float32))
+    ref_loss, ref_grads = _loss_and_grads(_randomize(create_model(tiny(), seed=0)), tokens, weights)
+    ref_leaves = jax.tree.leaves(ref_grads)
+    assert max(float(jnp.abs(g).max()) for g in ref_leaves) > 1e-2
+    for policy in ("full", "dots_saveable"):
+        model = _randomize(create_model(tiny(remat=policy), seed=0))
+        jaxpr = str(jax.make_jaxpr(lambda m: nnx.grad(lambda m: m(tokens).sum())(m))(model))
+        assert "remat" in jaxpr or "checkpoint" in jaxpr  # the policy is really applied
+        loss, grads = _loss_and_grads(model, tokens, weights)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        for g, r in zip(jax.tree.leaves(grads), ref_leaves):  # float32 rounding only
+            scale = float(np.abs(np.asarray(r)).max())
+            assert np.abs(np.asarray(g) - np.asarray(r)).max() <= 1e-5 * scale
+
+
+def test_bfloat16_params_and_compute():
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 128, (2, 8)))
+    f32 = _randomize(create_model(tiny(), seed=0))
+    bf16 = create_model(tiny(dtype="bfloat16", param_dtype="bfloat16"), seed=0)
+    params = nnx.state(bf16, nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    nnx.update(bf16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(f32, nnx.Param)))
+
+    logits = nnx.jit(lambda m, t: m(t))(bf16, tokens)
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+    h = nnx.jit(lambda m, t: m.hidden_states(t))(bf16, tokens)
+    assert h.dtype == jnp.bfloat16 and bf16.lm_head_kernel().dtype == jnp.bfloat16
+    # Same weights in float32: bfloat16 is close but not bit-equal.
+    ref = nnx.jit(lambda m, t: m(t))(f32, tokens)
+    diff = float(jnp.abs(logits - ref).max())
+    assert 0 < diff < 0.1 * float(jnp.abs(ref).max())
+
+    cache = init_cache(bf16.config, 2, 12)
+    assert cache.k[0].dtype == jnp.bfloat16
+    lengths = jnp.array([8, 5])
+    _, cache = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))(bf16, tokens, lengths, cache)
+    step, cache = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))(bf16, tokens[:, 0], lengths, cache)
+    assert step.dtype == jnp.float32 and bool(jnp.isfinite(step).all())
+
+
+def test_float32_params_with_bfloat16_compute():
+    model = create_model(tiny(dtype="bfloat16", param_dtype="float32"), seed=0)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+        jnp.dtype(jnp.float32)
+    }
+    h = nnx.jit(lambda m, t: m.hidden_states(t))(model, jnp.zeros((1, 4), jnp.int32))
+    assert h.dtype == jnp.bfloat16
+
+
+def test_cudnn_attention_needs_a_gpu():
+    config = tiny(attention_impl="cudnn", dtype="bfloat16")
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="attention_impl='cudnn' needs a GPU"):
+        Transformer(config, rngs=nnx.Rngs(0))
