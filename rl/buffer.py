@@ -29,10 +29,14 @@ class GroupBuffer:
         stale_policy: str = "keep",
         filter_zero_advantage: bool = True,
         start_group: int = 0,
+        max_filtered_factor: int = 4,
     ):
         self.coord = coordinator
         self.stale_policy = stale_policy
         self.filter = filter_zero_advantage
+        # At most this many x n_groups groups are filtered per batch; past that, zero-advantage
+        # groups are trained (they add no gradient) instead of searching forever.
+        self.max_filtered_factor = max_filtered_factor
         self.groups: dict[int, EpisodeGroup] = {}
         self.next_group = start_group  # keep: the next group number the learner consumes
         self.counts = {"filtered": 0, "dropped": 0, "trained": 0, "finished": 0}
@@ -80,6 +84,7 @@ class GroupBuffer:
     def get_batch(self, n_groups: int, version: int, timeout: float) -> list[EpisodeGroup]:
         """The next n usable groups for the update at learner `version` (blocks, with deadline)."""
         out: list[EpisodeGroup] = []
+        filtered = 0
         with self._cond:
             while len(out) < n_groups:
 
@@ -108,7 +113,8 @@ class GroupBuffer:
                 g = take()
                 if g is None:
                     continue
-                if not self._usable(g):
+                if not self._usable(g) and filtered < self.max_filtered_factor * n_groups:
+                    filtered += 1
                     self.counts["filtered"] += 1
                     self.coord.free(1)
                     continue

@@ -37,7 +37,7 @@ def sub(cls: type, help: str) -> Any:  # noqa: A002
 @dataclasses.dataclass
 class ModelSection:
     init: Literal["preset", "hf"] = F("preset", "where the initial weights come from")
-    preset: Literal["tiny", "small", "qwen2_0p5b", "qwen2_1p5b"] = F(
+    preset: Literal["tiny", "qwen2_0p5b", "qwen2_1p5b"] = F(
         "tiny", "model shape when init=preset (random init, then the supervised warm start)"
     )
     path: str = F("", "local Hugging Face directory when init=hf")

@@ -108,8 +108,9 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """AdamW with linear warmup then constant or cosine decay, after global-norm clipping."""
     if schedule == "cosine":
+        warmup = min(warmup_steps, max(total_steps - 1, 0))
         sched = optax.warmup_cosine_decay_schedule(
-            0.0, lr, max(warmup_steps, 1) if warmup_steps else 0, max(total_steps, 1), lr * 0.1
+            0.0 if warmup else lr, lr, warmup, max(total_steps, warmup + 1), lr * 0.1
         )
     elif warmup_steps:
         sched = optax.join_schedules(

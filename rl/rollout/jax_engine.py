@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from models.transformer import init_cache
 
+from models.transformer import init_cache
 from rl.rollout.base import Generation, GenerationRequest, SamplingParams
 
 
@@ -83,11 +83,12 @@ class JaxEngine:
         chunk: int = 16,
         max_batch: int = 128,
         deadline_s: float = 600.0,
+        device=None,
     ):
-        self.graphdef, params = nnx.split(model)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.config = model.config
-        self.device = jax.devices()[0]
-        self.params = params
+        self.device = device or jax.devices()[0]
+        self.params = self._own(params)
         self.version = version
         self.chunk = chunk
         self.max_batch = max_batch
@@ -112,11 +113,13 @@ class JaxEngine:
         if params is None:
             from models import load_hf
 
-            model = load_hf(path)
-            params = nnx.state(model)
-        # A private copy: the learner donates its buffers to the next train step.
-        params = jax.tree.map(
-            lambda old, new: jnp.array(new, old.dtype, copy=True), self.params, params
+            params = nnx.state(load_hf(path), nnx.Param)
+        params = self._own(
+            jax.tree.map(
+                lambda old, new: new.astype(old.dtype),
+                self.params,
+                nnx.state(params) if isinstance(params, nnx.Module) else params,
+            )
         )
         with self._cond:
             self._pending += 1
@@ -131,10 +134,14 @@ class JaxEngine:
                 self._interrupt.clear()
             self._cond.notify_all()
 
+    def _own(self, params):
+        """A private copy on the engine's device (the learner donates its buffers)."""
+        return jax.tree.map(lambda x: jnp.array(jax.device_put(x, self.device), copy=True), params)
+
     # -- compiled programs ----------------------------------------------------------------
     def _prefill_impl(self, params, tokens_BT, lengths_B, keys_B2, temp_B, topk_B, topp_B, N):
         self.traces += 1
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.graphdef, params, self.rest)
         B, T = tokens_BT.shape
         cache = init_cache(self.config, B, T + N)
         logits_BTV, cache = model.prefill(tokens_BT, lengths_B, cache)
@@ -145,7 +152,7 @@ class JaxEngine:
 
     def _decode_impl(self, params, carry, keys_B2, temp_B, topk_B, topp_B, maxnew_B, stop_S):
         self.traces += 1
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.graphdef, params, self.rest)
 
         def one(i, c):
             cache, tok, pos, n, done, out_tok, out_lp, step = c

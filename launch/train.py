@@ -1,0 +1,44 @@
+"""python -m launch.train --config configs/X.yaml [--set key=value ...] [--resume]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses the command line, validates the config and runs the training job."""
+    parser = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__)
+    parser.add_argument("--config", help="YAML run config (default: built-in defaults)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. optim.lr=1e-4",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue the run in its run dir")
+    parser.add_argument("--run-dir", help="run directory (default: <run_root>/<name>)")
+    args = parser.parse_args(argv)
+
+    from rl import config as C
+
+    try:
+        cfg = C.load(args.config, args.overrides)
+    except (C.ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from rl.trainer import train
+
+    summary = train(cfg, run_dir=args.run_dir, resume=args.resume)
+    keys = ["eval/accuracy_start", "eval/accuracy_end", "sft/time", "time/total"]
+    print(json.dumps({k: summary.get(k) for k in keys}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

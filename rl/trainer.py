@@ -1,0 +1,518 @@
+"""One training loop for sync, one-step-off and fully-async RL.
+
+The modes differ only in the staleness bound eta the coordinator enforces (sync: 0,
+one_step_off: 1, async: trainer.max_staleness); rollout workers, buffer, learner, weight
+publication, metrics and checkpoints are the same code. Rollout workers run in threads of this
+process (`local` transport) and push complete groups into the buffer; the learner consumes
+B groups per update, publishes weights every sync_every updates, evaluates and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+import zlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models import sharding as msh
+from models.config import ModelConfig
+from models.tokenizer import build_task_tokenizer, load_tokenizer
+from rl import config as C
+from rl.agent import run_episodes
+from rl.algorithms import advantages as A
+from rl.algorithms import losses as L
+from rl.buffer import GroupBuffer
+from rl.checkpoint import Checkpointer
+from rl.coordinator import Coordinator
+from rl.learner import Learner, StepConfig, bucket, make_batch, make_optimizer
+from rl.metrics import MetricsWriter, staleness_metrics
+from rl.rollout.base import SamplingParams
+from rl.rollout.jax_engine import JaxEngine
+from rl.tasks import get_task
+from rl.types import Episode, EpisodeGroup
+
+
+def episode_seed(run_seed: int, group: int, index: int) -> int:
+    """The sampling seed of rollout `index` of group `group` (independent of batching)."""
+    return zlib.crc32(f"{run_seed}:{group}:{index}".encode()) & 0x7FFFFFFF
+
+
+def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
+    """The ModelConfig of a preset, with the run's dtypes and attention settings."""
+    from models import config as mc
+
+    base = getattr(mc, cfg.model.preset)()
+    if base.vocab_size < vocab_size:
+        base = dataclasses.replace(base, vocab_size=bucket(vocab_size, 64))
+    return dataclasses.replace(
+        base,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        attention_impl=cfg.model.attention_impl,
+        remat=cfg.model.remat,
+    )
+
+
+def effective_eta(cfg: C.RunConfig) -> int:
+    """The staleness bound of the mode: sync 0, one_step_off 1, async max_staleness."""
+    return {"sync": 0, "one_step_off": 1}.get(cfg.trainer.mode, cfg.trainer.max_staleness)
+
+
+def loss_config(cfg: C.RunConfig) -> L.LossConfig:
+    """The algorithm section as a LossConfig."""
+    a = cfg.algorithm
+    return L.LossConfig(
+        clip_eps=a.clip_eps,
+        clip_eps_high=a.clip_eps_high,
+        dual_clip_c=a.dual_clip_c,
+        is_correction=a.is_correction,
+        is_cap=a.is_cap,
+        decoupled_cap=a.decoupled_cap,
+        aggregation=a.aggregation,
+        kl_coef=a.kl_coef,
+        loss_norm_const=a.loss_norm_const,
+    )
+
+
+class Trainer:
+    """Builds a run from a RunConfig and trains it (supervised warm start, then RL)."""
+
+    def __init__(self, cfg: C.RunConfig, *, run_dir: str | None = None, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = run_dir or os.path.join(cfg.run_root, cfg.name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        C.dump(cfg, os.path.join(self.run_dir, "config.yaml"))
+        self.tok_dir = os.path.join(self.run_dir, "tokenizer")
+        if not os.path.exists(os.path.join(self.tok_dir, "tokenizer.json")):
+            build_task_tokenizer(self.tok_dir)
+        self.tokenizer = load_tokenizer(self.tok_dir)
+        self.task = get_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
+        self.eval_problems = self.task.problems("eval", cfg.task.num_eval)
+        self._train_problems: list = []
+        self.sft_curve: list[tuple[int, float]] = []
+        self.eta = effective_eta(cfg)
+        self.B = cfg.rollout.prompts_per_update
+        self.n = cfg.rollout.group_size
+        m = cfg.learner.mesh
+        n_dev = m.data * m.fsdp * m.tensor
+        if n_dev > len(jax.devices()):
+            raise C.ConfigError(
+                f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
+                f"{len(jax.devices())} available"
+            )
+        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[:n_dev])
+        self.model = self._build_model()
+        self.learner = Learner(
+            self.model, self._rl_tx(), mesh=self.mesh, step_cfg=self._rl_step_cfg()
+        )
+        self.ckpt = Checkpointer(
+            os.path.join(self.run_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints
+        )
+        self.resume_meta: dict | None = None
+        self.resume_groups: dict = {}
+        if resume and self.ckpt.latest_step() is not None:
+            state, meta, groups = self.ckpt.restore(self.learner.state)
+            self.learner.state = state
+            self.learner.version = meta["version"]
+            self.resume_meta, self.resume_groups = meta, groups
+        self.writer = MetricsWriter(
+            self.run_dir,
+            tensorboard=cfg.logging.tensorboard,
+            progress=cfg.logging.progress,
+            total_updates=cfg.trainer.total_updates,
+            resume=self.resume_meta["step"] if self.resume_meta else False,
+        )
+        self.episodes_dir = os.path.join(self.run_dir, "episodes")
+        os.makedirs(self.episodes_dir, exist_ok=True)
+
+    # -- building -------------------------------------------------------------------------
+    def _build_model(self):
+        cfg = self.cfg
+        if cfg.model.init == "hf":
+            from models import load_hf
+
+            return load_hf(cfg.model.path, mesh=self.mesh)
+        mcfg = model_config(cfg, self.tokenizer.vocab_size)
+        return msh.create_model(mcfg, self.mesh, seed=cfg.seed)
+
+    def _rl_tx(self):
+        o = self.cfg.optim
+        return make_optimizer(
+            o.lr,
+            total_steps=self.cfg.trainer.total_updates * self.cfg.learner.minibatches,
+            warmup_steps=o.warmup_steps,
+            schedule=o.schedule,
+            weight_decay=o.weight_decay,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            max_grad_norm=o.max_grad_norm,
+        )
+
+    def _rl_step_cfg(self) -> StepConfig:
+        a = self.cfg.algorithm
+        n_seq = self.B * self.n // self.cfg.learner.minibatches
+        mb = self.cfg.learner.micro_batch_size
+        return StepConfig(
+            loss=a.loss,
+            loss_cfg=loss_config(self.cfg),
+            temperature=self.cfg.rollout.temperature,
+            micro_batches=(n_seq // mb) if mb else 1,
+            logprob_chunk=self.cfg.learner.logprob_chunk,
+            needs_proximal=a.loss == "decoupled_ppo" or a.is_correction != "none",
+        )
+
+    def train_problem(self, group: int):
+        """The problem of group number `group` (the data cursor walks the train stream)."""
+        if group >= len(self._train_problems):
+            self._train_problems = self.task.problems("train", 2 * (group + 1) + 64)
+        return self._train_problems[group]
+
+    def sampling(self, greedy: bool = False) -> SamplingParams:
+        """Sampling params of rollouts (or of greedy evaluation)."""
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.eval_temperature if greedy else r.temperature,
+            top_k=0 if greedy else r.top_k,
+            top_p=1.0 if greedy else r.top_p,
+        )
+
+    def make_engine(self):
+        """The rollout engine of the config, serving the learner's current weights."""
+        if self.cfg.rollout.engine == "vllm":
+            raise NotImplementedError("rollout.engine=vllm is wired by the vLLM host integration")
+        return JaxEngine(
+            self.learner.model,
+            version=self.learner.version,
+            max_batch=self.cfg.rollout.batch_size,
+            deadline_s=self.cfg.trainer.deadline_s,
+        )
+
+    # -- supervised warm start ------------------------------------------------------------
+    def demo_episode(self, problem) -> Episode:
+        """A demonstration as an episode: completion tokens trained, tool responses masked."""
+        prompt = self.tokenizer.encode(problem.prompt)
+        text = self.task.demonstration(problem)
+        comp = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+        mask = np.ones(len(comp), np.int8)
+        open_id = close_id = None
+        try:
+            open_id = self.tokenizer.token_id("<tool_response>")
+            close_id = self.tokenizer.token_id("</tool_response>")
+        except KeyError:
+            pass
+        inside = False
+        for i, t in enumerate(comp):  # environment text is not the model's to learn
+            if t == open_id:
+                inside = True
+            if inside:
+                mask[i] = 0
+            if t == close_id:
+                inside = False
+        n = len(prompt) + len(comp)
+        return Episode(
+            problem.id,
+            np.asarray(prompt + comp, np.int32),
+            np.concatenate([np.zeros(len(prompt), np.int8), mask]),
+            np.zeros(n, np.float32),
+            np.full(n, -1, np.int32),
+            len(prompt),
+            reward=1.0,
+        )
+
+    def supervised(self) -> dict:
+        """Runs the supervised warm start (sft.steps steps of demonstrations)."""
+        s = self.cfg.sft
+        tx = make_optimizer(
+            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule="cosine"
+        )
+        self.learner.set_step_cfg(StepConfig(loss="sft", temperature=1.0))
+        self.learner.reset_optimizer(tx)
+        problems = self.task.problems("train", s.steps * s.batch_size)
+        row_len = None
+        t0 = time.perf_counter()
+        loss = float("nan")
+        for step in range(s.steps):
+            eps = [
+                self.demo_episode(p)
+                for p in problems[step * s.batch_size : (step + 1) * s.batch_size]
+            ]
+            if row_len is None:
+                row_len = bucket(max(len(e.tokens) for e in eps) + 8)
+            batch = make_batch(eps, np.zeros(len(eps)), row_len=row_len)
+            met = self.learner.update(batch)
+            loss = met["loss"]
+            if step % 25 == 0 or step == s.steps - 1:
+                self.sft_curve.append((step, loss))
+        self.learner.version = 0
+        self.learner.set_step_cfg(self._rl_step_cfg())
+        self.learner.reset_optimizer(self._rl_tx())
+        return {"sft/loss": loss, "sft/time": time.perf_counter() - t0, "sft/steps": s.steps}
+
+    # -- evaluation -----------------------------------------------------------------------
+    def evaluate(self, engine) -> dict:
+        """Greedy (by default) decoding of the held-out split: accuracy and reward."""
+        t0 = time.perf_counter()
+        eps = run_episodes(
+            engine,
+            self.task,
+            self.tokenizer,
+            self.eval_problems,
+            self.sampling(greedy=True),
+            seeds=list(range(len(self.eval_problems))),
+        )
+        return {
+            "eval/accuracy": float(np.mean([e.correct for e in eps])),
+            "eval/reward": float(np.mean([e.reward for e in eps])),
+            "eval/formatted": float(np.mean([e.formatted for e in eps])),
+            "eval/length": float(np.mean([e.num_generated for e in eps])),
+            "timing/eval": time.perf_counter() - t0,
+        }
+
+    # -- rollout side ---------------------------------------------------------------------
+    def rollout_worker(self, engine, coord: Coordinator, buffer: GroupBuffer, stats: dict):
+        """Admits groups, generates their rollouts, delivers complete groups (a thread)."""
+        max_groups = max(1, self.cfg.rollout.batch_size // self.n)
+        deadline = self.cfg.trainer.deadline_s
+        try:
+            while True:
+                admitted = coord.admit(max_groups, timeout=deadline)
+                if not admitted:
+                    return
+                problems, seeds = [], []
+                for g, _ in admitted:
+                    p = self.train_problem(g)
+                    problems += [p] * self.n
+                    seeds += [episode_seed(self.cfg.seed, g, i) for i in range(self.n)]
+                t0 = time.perf_counter()
+                eps = run_episodes(
+                    engine, self.task, self.tokenizer, problems, self.sampling(), seeds=seeds
+                )
+                stats["generate_time"] += time.perf_counter() - t0
+                stats["tokens"] += sum(e.num_generated for e in eps)
+                if coord.stopped:
+                    return
+                for k, (g, v) in enumerate(admitted):
+                    buffer.put(
+                        EpisodeGroup(
+                            g, problems[k * self.n].id, tuple(eps[k * self.n : (k + 1) * self.n]), v
+                        )
+                    )
+        except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
+            buffer.fail(e)
+
+    # -- the loop -------------------------------------------------------------------------
+    def advantages(self, groups: list[EpisodeGroup]) -> np.ndarray:
+        """[G, n] advantages of the update's groups by the configured estimator."""
+        r = np.stack([g.rewards for g in groups])
+        return np.asarray(A.compute_advantages(self.cfg.algorithm.advantage, r))
+
+    def _save(self, step: int, coord: Coordinator, buffer: GroupBuffer, extra: dict) -> None:
+        bstate = buffer.state()
+        meta = {
+            "step": step,
+            "version": self.learner.version,
+            "next_group": bstate["next_group"],
+            "dispatched": coord.state()["next_group"],
+            "freed": coord.freed,
+            "counts": bstate["counts"],
+            **extra,
+        }
+        self.ckpt.save(step, self.learner.state, meta, bstate["groups"])
+
+    def run(self) -> dict:
+        """Trains; returns the last logged metrics (with eval/accuracy before and after)."""
+        cfg = self.cfg
+        summary: dict = {}
+        resumed = self.resume_meta is not None
+        if not resumed:
+            if cfg.sft.steps > 0:
+                summary.update(self.supervised())
+            self._save(
+                0,
+                Coordinator(self.B, self.eta),
+                GroupBuffer(Coordinator(self.B, 0)),
+                {"sft_done": True},
+            )
+        start_version = self.learner.version
+        engine = self.make_engine()
+        eval_engine = engine if cfg.rollout.engine == "jax" else self.make_engine()
+        if not resumed:
+            ev = self.evaluate(eval_engine)
+            summary["eval/accuracy_start"] = ev["eval/accuracy"]
+            self.writer.log(0, 0, {**{k: v for k, v in summary.items()}, **ev})
+        meta = self.resume_meta or {"next_group": 0, "dispatched": 0, "freed": 0, "counts": {}}
+        total_groups_hint = None
+        coord = Coordinator(
+            self.B,
+            self.eta,
+            start_group=meta["next_group"],
+            published_version=start_version,
+            total_groups=total_groups_hint,
+        )
+        coord.freed = meta["freed"]
+        buffer = GroupBuffer(
+            coord,
+            stale_policy=cfg.trainer.stale_policy,
+            filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
+            start_group=meta["next_group"],
+        )
+        buffer.counts.update(meta.get("counts", {}))
+        # Finished groups from the checkpoint come back; what was in flight is dispatched again.
+        for g in self.resume_groups.values():
+            buffer.groups[g.group_id] = g
+        if self.resume_groups:
+            coord.next_group = max(meta["dispatched"], max(self.resume_groups) + 1)
+            coord.retry.extend(
+                i
+                for i in range(meta["next_group"], coord.next_group)
+                if i not in self.resume_groups
+            )
+        elif resumed:
+            coord.retry.extend(range(meta["next_group"], meta["dispatched"]))
+            coord.next_group = max(meta["dispatched"], meta["next_group"])
+        coord.publish(start_version)
+        stats = {"generate_time": 0.0, "tokens": 0}
+        worker = threading.Thread(
+            target=self.rollout_worker,
+            args=(engine, coord, buffer, stats),
+            name="rollout-0",
+            daemon=True,
+        )
+        worker.start()
+        t_start = time.perf_counter()
+        last = {"time": t_start, "tokens": 0, "gen": 0.0, "wait": 0.0}
+        wait_total = 0.0
+        row_len = bucket(self._max_len())
+        try:
+            for version in range(start_version, cfg.trainer.total_updates):
+                t0 = time.perf_counter()
+                groups = buffer.get_batch(self.B, version, timeout=cfg.trainer.deadline_s)
+                t_wait = time.perf_counter() - t0
+                wait_total += t_wait
+                adv = self.advantages(groups)
+                eps = [e for g in groups for e in g.episodes]
+                batch = make_batch(
+                    eps, adv.reshape(-1), num_rows=self.B * self.n, row_len=row_len, pack=False
+                )
+                met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
+                new_version = self.learner.version
+                t_sync = 0.0
+                if (
+                    new_version % cfg.trainer.sync_every == 0
+                    or new_version == cfg.trainer.total_updates
+                ):
+                    ts = time.perf_counter()
+                    engine.update_weights(
+                        new_version,
+                        params=self.learner.params(),
+                        interrupt=cfg.trainer.partial == "continue",
+                    )
+                    coord.publish(new_version)
+                    t_sync = time.perf_counter() - ts
+                row = self._update_metrics(
+                    groups, batch, met, version, t_wait, t_sync, stats, last, buffer, coord
+                )
+                if (
+                    cfg.trainer.eval_every
+                    and new_version % cfg.trainer.eval_every == 0
+                    or new_version == cfg.trainer.total_updates
+                ):
+                    if eval_engine is not engine:
+                        eval_engine.update_weights(new_version, params=self.learner.params())
+                    row.update(self.evaluate(eval_engine))
+                self.writer.log(new_version, new_version, row)
+                summary.update(row)
+                self._dump_episodes(new_version, groups)
+                ce = cfg.trainer.checkpoint_every
+                if (ce and new_version % ce == 0) or new_version == cfg.trainer.total_updates:
+                    self._save(new_version, coord, buffer, {"sft_done": True})
+        finally:
+            coord.stop()
+            engine.abort()
+            worker.join(timeout=60)
+            self.writer.close()
+            self.ckpt.close()
+        summary["time/total"] = time.perf_counter() - t_start
+        summary["eval/accuracy_end"] = summary.get("eval/accuracy")
+        return summary
+
+    def _max_len(self) -> int:
+        """Longest episode in tokens: prompt + turns x (generation + observation)."""
+        prompts = [len(self.tokenizer.encode(p.prompt)) for p in self.eval_problems[:64]]
+        turns = getattr(self.task, "max_turns", 1)
+        return max(prompts) + 8 + turns * (self.cfg.rollout.max_new_tokens + 32)
+
+    def _update_metrics(
+        self, groups, batch, met, version, t_wait, t_sync, stats, last, buffer, coord
+    ) -> dict:
+        now = time.perf_counter()
+        eps = [e for g in groups for e in g.episodes]
+        mask = batch.loss_mask > 0
+        stale = (version - batch.versions)[mask]
+        spans = [e.version_span for e in eps]
+        row = {f"loss/{k}": v for k, v in met.items() if not k.startswith("timing/")}
+        row.update(
+            {
+                "reward/mean": float(np.mean([e.reward for e in eps])),
+                "reward/correct": float(np.mean([e.correct for e in eps])),
+                "reward/formatted": float(np.mean([e.formatted for e in eps])),
+                "episode/length": float(np.mean([e.num_generated for e in eps])),
+                "episode/turns": float(np.mean([e.num_turns for e in eps])),
+                "partial/ratio": float(np.mean([s[1] > s[0] for s in spans])),
+                "partial/version_span": float(np.mean([s[1] - s[0] for s in spans])),
+                "timing/train_step": met["timing/train_step"],
+                "timing/wait_data": t_wait,
+                "timing/weight_sync": t_sync,
+                "timing/update": now - last["time"],
+                "idle/learner": t_wait / max(now - last["time"], 1e-9),
+            }
+        )
+        gen = stats["generate_time"] - last["gen"]
+        row["idle/rollout"] = max(0.0, 1.0 - gen / max(now - last["time"], 1e-9))
+        row["throughput/tokens_per_s"] = (stats["tokens"] - last["tokens"]) / max(
+            now - last["time"], 1e-9
+        )
+        row.update(staleness_metrics(stale))
+        row.update(buffer.metrics())
+        row["coordinator/redispatched"] = float(coord.redispatched)
+        row["staleness/bound"] = float(self.eta)
+        last.update(time=now, tokens=stats["tokens"], gen=stats["generate_time"])
+        self.writer.log_histogram(version + 1, "staleness/tokens", stale)
+        return row
+
+    def _dump_episodes(self, version: int, groups: list[EpisodeGroup]) -> None:
+        k = self.cfg.logging.save_episodes
+        if not k:
+            return
+        eps = [e for g in groups for e in g.episodes][:k]
+        with open(os.path.join(self.episodes_dir, f"v{version:06d}.jsonl"), "w") as f:
+            for e in eps:
+                f.write(
+                    json.dumps(
+                        {
+                            "problem_id": e.problem_id,
+                            "prompt": self.tokenizer.decode(e.tokens[: e.prompt_len].tolist()),
+                            "completion": e.completion_text,
+                            "reward": e.reward,
+                            "versions": list(e.version_span),
+                            "finish_reason": e.finish_reason,
+                        }
+                    )
+                    + "\n"
+                )
+
+
+def train(cfg: C.RunConfig, *, run_dir: str | None = None, resume: bool = False) -> dict:
+    """Runs a whole training job from a config; returns the summary metrics."""
+    return Trainer(cfg, run_dir=run_dir, resume=resume).run()
+
+
+__all__ = ["Trainer", "train", "nnx"]
