@@ -1,8 +1,9 @@
 """Token log-probs and entropy from hidden states, chunked over the vocabulary.
 
 Full float32 logits [B, T, V] are never built: the vocabulary is scanned in chunks with an
-online log-sum-exp (and an online sum of p * logit for the entropy), each chunk rematerialised in
-the backward pass. Temperature divides the logits exactly as the sampler does, so behavior and
+online log-sum-exp (and an online sum of p * (logit - running max) for the entropy, so a peaked
+distribution's near-zero entropy is not lost to cancellation), each chunk rematerialised in the
+backward pass. Temperature divides the logits exactly as the sampler does, so behavior and
 learner log-probs compare like with like.
 """
 
@@ -46,13 +47,13 @@ def token_logprobs(
     init = (
         jnp.full((B, T), -jnp.inf, jnp.float32),  # running max
         jnp.zeros((B, T), jnp.float32),  # sum exp(l - m)
-        jnp.zeros((B, T), jnp.float32),  # sum exp(l - m) * l
+        jnp.zeros((B, T), jnp.float32),  # sum exp(l - m) * (l - m)
         jnp.zeros((B, T), jnp.float32),  # target logit
     )
 
     @jax.checkpoint
     def body(carry, xs):
-        m, s, sl, tgt = carry
+        m, s, sd, tgt = carry
         w_DK, start = xs
         l_BTK = jnp.einsum("btd,dk->btk", h_BTD, w_DK, preferred_element_type=jnp.float32)
         l_BTK = l_BTK / temperature
@@ -60,18 +61,20 @@ def token_logprobs(
         l_BTK = jnp.where(ids < V, l_BTK, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(l_BTK, axis=-1))
         scale = jnp.exp(m - m_new)
-        e = jnp.exp(l_BTK - m_new[..., None])
+        shift = jnp.where(jnp.isfinite(m), m - m_new, 0.0)  # m = -inf only while s = sd = 0
+        d_BTK = jnp.where(ids < V, l_BTK - m_new[..., None], 0.0)
+        e = jnp.exp(jnp.where(ids < V, d_BTK, -jnp.inf))
+        # sum exp(l - m_new) * (l - m_new) = scale * (sd + shift * s) over the earlier chunks
+        sd = scale * (sd + shift * s) + jnp.sum(e * d_BTK, axis=-1)
         s = s * scale + jnp.sum(e, axis=-1)
-        sl = sl * scale + jnp.sum(e * jnp.where(ids < V, l_BTK, 0.0), axis=-1)
         local = targets_BT - start
         hit = (local >= 0) & (local < chunk)
         got = jnp.take_along_axis(l_BTK, jnp.clip(local, 0, chunk - 1)[..., None], axis=-1)[..., 0]
         tgt = jnp.where(hit, got, tgt)
-        return (m_new, s, sl, tgt), None
+        return (m_new, s, sd, tgt), None
 
     starts = jnp.arange(n_chunks) * chunk
-    (m, s, sl, tgt), _ = jax.lax.scan(body, init, (w_CDK, starts))
-    lse = m + jnp.log(s)
-    logp = tgt - lse
-    entropy = lse - sl / s
+    (m, s, sd, tgt), _ = jax.lax.scan(body, init, (w_CDK, starts))
+    logp = tgt - (m + jnp.log(s))
+    entropy = jnp.log(s) - sd / s  # lse - E[l] with lse = m + log s, E[l] = m + sd / s
     return logp, entropy
