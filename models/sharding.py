@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from models.transformer import Transformer
+from models.transformer import DecoderLayer, Transformer
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -129,16 +129,38 @@ def state_shardings(config: ModelConfig, state: nnx.State, mesh: Mesh) -> nnx.St
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _jit_init(build, config: ModelConfig, mesh: Mesh | None):
+    """`key -> state of build(rngs)`, compiled once, each output created in its shards."""
+    _, abstract = nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
+
+    def init(key):
+        return nnx.state(build(nnx.Rngs(key)))
+
+    if mesh is None:
+        return jax.jit(init)
+    return jax.jit(init, out_shardings=state_shardings(config, abstract, mesh))
+
+
 def create_model(config: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> Transformer:
-    """A freshly initialised Transformer, each parameter created directly in its shards."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
-    out_shardings = None if mesh is None else state_shardings(config, abstract, mesh)
+    """A freshly initialised Transformer, each parameter created directly in its shards.
 
-    def init():
-        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed)))
-
-    init = jax.jit(init) if mesh is None else jax.jit(init, out_shardings=out_shardings)
-    return nnx.merge(graphdef, init())
+    One compiled program initialises a decoder layer and runs once per layer (compiling the
+    whole model's init unrolls every layer: minutes on GPU for 24 layers); the embedding, final
+    norm and LM head come from a one-layer model of the same config. Same seed, same values,
+    whatever the mesh.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    root = jax.random.key(seed)
+    outer = config.replace(num_hidden_layers=1)
+    top = _jit_init(lambda rngs: Transformer(outer, rngs=rngs), config, mesh)(root)
+    init_layer = _jit_init(lambda rngs: DecoderLayer(config, rngs), config, mesh)
+    params = nnx.to_pure_dict(top)
+    params["model"]["layers"] = {
+        i: nnx.to_pure_dict(init_layer(jax.random.fold_in(root, i + 1)))
+        for i in range(config.num_hidden_layers)
+    }
+    nnx.replace_by_pure_dict(abstract, params)
+    return nnx.merge(graphdef, abstract)
 
 
 def shard_model(model: Transformer, mesh: Mesh) -> Transformer:

@@ -248,7 +248,7 @@ def _write_slot(cache_BSKH: jax.Array, new_B1KH: jax.Array, positions_B: jax.Arr
 
 
 class Transformer(nnx.Module):
-    """Causal LM: `model(tokens_BT, positions, segment_ids) -> logits_BTV` (float32)."""
+    """Causal LM: `model(tokens[B, T], positions, segment_ids) -> logits[B, T, V]` (float32)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         if config.attention_impl == "cudnn" and jax.default_backend() != "gpu":
@@ -284,41 +284,46 @@ class Transformer(nnx.Module):
             "btd,dv->btv", h_BTD, self.lm_head_kernel(), preferred_element_type=jnp.float32
         )
 
-    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
-        """Final-norm hidden states h_BTD (compute dtype); segment_ids 0 marks padding."""
-        B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """Final-norm hidden states h[B, T, D] (compute dtype) of tokens[B, T].
+
+        positions[B, T] default to arange(T) in every row; segment_ids[B, T] (packed sequences,
+        0 = padding) restrict attention to tokens of the same segment.
+        """
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         mask_B1TS = None
-        if segment_ids_BT is not None:
-            mask_B1TS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
-        rope = rotary(self.config, positions_BT)
+        if segment_ids is not None:
+            mask_B1TS = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        rope = rotary(self.config, positions)
         block = _forward_block
         if self.config.remat != "none":
             block = nnx.remat(block, policy=_REMAT_POLICIES[self.config.remat])
-        x_BTD = self.model.embed_tokens(tokens_BT)
+        x_BTD = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x_BTD = block(layer, x_BTD, rope, mask_B1TS)
         return self.model.norm(x_BTD)
 
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
-        """Logits [B, T, V] in float32 (positions default to arange(T) in every row)."""
-        return self._logits(self.hidden_states(tokens_BT, positions_BT, segment_ids_BT))
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """Logits[B, T, V] in float32 of tokens[B, T] (arguments as in hidden_states)."""
+        return self._logits(self.hidden_states(tokens, positions, segment_ids))
 
-    def prefill(self, tokens_BT, lengths_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Logits [B, T, V] of right-padded prompts, and the cache with slots [0, len_b) written."""
-        B, T = tokens_BT.shape
+    def prefill(self, tokens, lengths, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Logits[B, T, V] of right-padded prompts tokens[B, T] with lengths[B] real tokens,
+        and the cache with slots [0, lengths[b]) of row b written (the rest zeroed)."""
+        B, T = tokens.shape
         if T > cache.max_len:
             raise ValueError(f"prompt length T={T} exceeds the cache's max_len={cache.max_len}")
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        valid_BT11 = (positions_BT < lengths_B[:, None])[:, :, None, None]
+        valid_BT11 = (positions_BT < lengths[:, None])[:, :, None, None]
         rope = rotary(self.config, positions_BT)
         impl = self.config.attention_impl
 
         def attend(q, k, v):
             return _causal_attention(q, k, v, None, impl)[0], (k, v)
 
-        x_BTD = self.model.embed_tokens(tokens_BT)
+        x_BTD = self.model.embed_tokens(tokens)
         ks, vs = [], []
         for i, layer in enumerate(self.model.layers):
             x_BTD, (k, v) = layer(x_BTD, rope, attend)
@@ -328,18 +333,21 @@ class Transformer(nnx.Module):
         logits_BTV = self._logits(self.model.norm(x_BTD))
         return logits_BTV, KVCache(k=tuple(ks), v=tuple(vs))
 
-    def decode(self, tokens_B, positions_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Next-token logits [B, V] for one token per row at positions_B (its cache slot)."""
+    def decode(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
+
+        Row b attends to cache slots <= positions[b]; positions must be < cache.max_len.
+        """
         S = cache.max_len
-        rope = rotary(self.config, positions_B[:, None])
-        mask_B11S = (jnp.arange(S)[None, :] <= positions_B[:, None])[:, None, None, :]
-        x_B1D = self.model.embed_tokens(tokens_B[:, None])
+        rope = rotary(self.config, positions[:, None])
+        mask_B11S = (jnp.arange(S)[None, :] <= positions[:, None])[:, None, None, :]
+        x_B1D = self.model.embed_tokens(tokens[:, None])
         ks, vs = [], []
         for i, layer in enumerate(self.model.layers):
 
             def attend(q, k, v, i=i):
-                k_BSKH = _write_slot(cache.k[i], k, positions_B)
-                v_BSKH = _write_slot(cache.v[i], v, positions_B)
+                k_BSKH = _write_slot(cache.k[i], k, positions)
+                v_BSKH = _write_slot(cache.v[i], v, positions)
                 o = jax.nn.dot_product_attention(  # one query row: plain XLA attention
                     q,
                     k_BSKH.astype(q.dtype),

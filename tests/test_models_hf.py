@@ -214,8 +214,10 @@ def test_packed_sequences_match_each_sequence_alone(hf):
         positions[0, start : start + len(seq)] = np.arange(len(seq))
         start += len(seq)
     tokens[0, start:] = 11  # padding tokens must not leak into real ones
-    packed = np.asarray(
-        _forward(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
+    packed = np.asarray(  # keyword arguments: the public signature
+        nnx.jit(lambda m, t, p, s: m(t, positions=p, segment_ids=s))(
+            model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
+        )
     )
     assert np.isfinite(packed).all()
     # Each sequence alone: one right-padded batch (causal attention never sees the padding).
