@@ -1,14 +1,22 @@
 """Tandem's model family (Qwen2 / Llama / Qwen3 in flax.nnx) and its Hugging Face interop."""
 
 from models.config import ModelConfig, qwen2_0p5b, qwen2_1p5b, tiny
-from models.hf import from_hf_tensors, load_hf, save_hf, save_hf_tensors, to_hf_tensors
-from models.sharding import create_model, logical_sharding, make_mesh
+from models.hf import (
+    from_hf_tensors,
+    load_hf,
+    read_hf_tensors,
+    save_hf,
+    save_hf_tensors,
+    to_hf_tensors,
+)
+from models.sharding import cache_sharding, create_model, logical_sharding, make_mesh, shard_model
 from models.transformer import KVCache, Transformer, init_cache
 
 __all__ = [
     "KVCache",
     "ModelConfig",
     "Transformer",
+    "cache_sharding",
     "create_model",
     "from_hf_tensors",
     "init_cache",
@@ -17,8 +25,10 @@ __all__ = [
     "make_mesh",
     "qwen2_0p5b",
     "qwen2_1p5b",
+    "read_hf_tensors",
     "save_hf",
     "save_hf_tensors",
+    "shard_model",
     "tiny",
     "to_hf_tensors",
 ]

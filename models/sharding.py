@@ -163,6 +163,13 @@ def create_model(config: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -
     return nnx.merge(graphdef, abstract)
 
 
+def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding:
+    """The sharding of one KV-cache array [B, S, num_kv_heads, head_dim] on `mesh`."""
+    axes = ("batch", "length", "kv_heads", "head_dim")
+    sizes = dict(config_sizes(config), batch=batch)
+    return NamedSharding(mesh, logical_to_spec(axes, mesh, sizes=sizes))
+
+
 def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
     """The same model with its parameters moved onto `mesh` by the rules table."""
     graphdef, state = nnx.split(model)

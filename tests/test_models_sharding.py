@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 from models import create_model, logical_sharding, make_mesh, tiny
-from models.sharding import logical_to_spec, shard_model
+from models.sharding import cache_sharding, logical_to_spec, shard_model
 
 P = PartitionSpec
 
@@ -137,3 +137,11 @@ def test_load_hf_onto_a_mesh_and_save_from_it(tmp_path):
     a, b = read_hf_tensors(str(tmp_path / "one")), read_hf_tensors(str(tmp_path / "four"))
     assert sorted(a) == sorted(b) and "lm_head.weight" not in a
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_cache_sharding_splits_batch_and_kv_heads():
+    config = tiny()  # 2 kv heads
+    mesh = make_mesh(fsdp=2, tensor=2)
+    assert cache_sharding(config, mesh, batch=4).spec == P("fsdp", None, "tensor", None)
+    assert cache_sharding(config, mesh, batch=3).spec == P(None, None, "tensor", None)
+    assert cache_sharding(config, make_mesh(tensor=4), batch=4).spec == P(None, None, None, None)
