@@ -150,7 +150,7 @@ class JaxEngine:
         tok, lp = _sample(process_logits(last, temp_B, topk_B, topp_B), keys, temp_B)
         return tok, lp, cache
 
-    def _decode_impl(self, params, carry, keys_B2, temp_B, topk_B, topp_B, maxnew_B, stop_S):
+    def _decode_impl(self, params, carry, keys_B2, temp_B, topk_B, topp_B, maxnew_B, stop_BS):
         self.traces += 1
         model = nnx.merge(self.graphdef, params, self.rest)
 
@@ -169,7 +169,7 @@ class JaxEngine:
                 active[:, None] & (jnp.arange(out_lp.shape[1]) == n[:, None]), lp[:, None], out_lp
             )
             n = n + active
-            hit_stop = jnp.any(new[:, None] == stop_S[None, :], axis=-1)
+            hit_stop = jnp.any(new[:, None] == stop_BS, axis=-1)
             done = done | (active & (hit_stop | (n >= maxnew_B)))
             return (
                 cache,
@@ -232,9 +232,11 @@ class JaxEngine:
         ]
         keys = np.zeros((B, 2), np.uint32)
         keys[:n] = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds])
-        stops = sorted({t for r in reqs for t in r.params.stop_token_ids}) or [-1]
-        stop_S = np.full(_bucket(len(stops), (4, 8, 16, 64)), -1, np.int32)
-        stop_S[: len(stops)] = stops
+        # Each row stops on its own request's tokens only (-1 pads; a token id is never -1).
+        n_stop = max([len(r.params.stop_token_ids) for r in reqs] + [1])
+        stop_BS = np.full((B, _bucket(n_stop, (4, 8, 16, 64))), -1, np.int32)
+        for i, r in enumerate(reqs):
+            stop_BS[i, : len(r.params.stop_token_ids)] = r.params.stop_token_ids
 
         with self._cond:  # a pending weight update goes first
             if not self._cond.wait_for(lambda: self._pending == 0, timeout=self.deadline_s):
@@ -243,11 +245,11 @@ class JaxEngine:
                 )
         with self._lock:
             return self._generate_locked(
-                reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_S, N, B, n, t0
+                reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
             )
 
     def _generate_locked(
-        self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_S, N, B, n, t0
+        self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
     ):
         params, version = self.params, self.version
         tok, lp, cache = self._prefill(params, tokens, lengths, keys, temp, topk, topp, N=N)
@@ -256,7 +258,7 @@ class JaxEngine:
         tok_np, lp_np = np.asarray(tok), np.asarray(lp)
         out_tok[:, 0], out_lp[:, 0] = tok_np, lp_np
         n_gen = np.ones(B, np.int32)
-        done = np.isin(tok_np, stop_S[stop_S >= 0]) | (maxnew <= 1)
+        done = (tok_np[:, None] == stop_BS).any(-1) | (maxnew <= 1)
         done[n:] = True
         carry = (
             cache,
@@ -273,7 +275,7 @@ class JaxEngine:
             if self._abort.is_set() or self._interrupt.is_set():
                 aborted = True
                 break
-            carry = self._decode(params, carry, keys, temp, topk, topp, maxnew, stop_S)
+            carry = self._decode(params, carry, keys, temp, topk, topp, maxnew, stop_BS)
         _, _, _, n_gen, done, out_tok, out_lp, _ = jax.device_get(carry)
         gens = []
         for i, r in enumerate(reqs):
