@@ -1,0 +1,416 @@
+"""The JAX sampler: behavior log-probs, compilation buckets, greedy/top-k/top-p, seeds, stops,
+abort and interrupting weight updates (partial rollouts through the agent)."""
+
+import contextlib
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from models import create_model, make_mesh, tiny
+from models.tokenizer import build_task_tokenizer, load_tokenizer
+from rl.agent import run_episodes
+from rl.learner import Learner, StepConfig, make_batch
+from rl.rollout.base import GenerationRequest, SamplingParams
+from rl.rollout.jax_engine import JaxEngine, _sample, process_logits
+from rl.tasks import ArithmeticTask
+from rl.types import Episode
+
+CONFIG = tiny()
+V = CONFIG.vocab_size
+
+
+def randomize(model, seed):
+    """Random weights of a useful scale (norm weights near 1): peaked, well-separated logits."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten_with_path(state)
+    rng = np.random.RandomState(seed)
+    new = []
+    for path, x in leaves:
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
+        new.append(jnp.asarray(value, x.dtype))
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return randomize(create_model(CONFIG, seed=0), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return JaxEngine(model, chunk=4)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(build_task_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+def _req(rid, prompt, **params):
+    return GenerationRequest(rid, np.asarray(prompt, np.int32), SamplingParams(**params))
+
+
+def _prompt(seed, n):
+    return np.random.RandomState(seed).randint(2, V, n).astype(np.int32)
+
+
+_LEARNERS = {}
+
+
+def _learner_logp(model, episodes, temperature, chunk=0):
+    """The learner's log p(token) of every generated token, and the engine's, flattened."""
+    key = (id(model), temperature, chunk)
+    if key not in _LEARNERS:  # one compiled log-prob program per (weights, temperature, chunk)
+        _LEARNERS[key] = Learner(
+            model,
+            optax.sgd(0.0),
+            mesh=make_mesh(devices=jax.devices()[:1]),
+            step_cfg=StepConfig(temperature=temperature, logprob_chunk=chunk),
+        )
+    learner = _LEARNERS[key]
+    batch = make_batch(episodes, np.zeros(len(episodes)), row_len=32)
+    lp = learner.logprobs(batch)
+    m = batch.loss_mask > 0
+    return lp[m], batch.behavior_logp[m], batch.versions[m]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) behavior log-probs == learner log-probs
+
+
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 0), (0.7, 48)])
+def test_behavior_logprobs_equal_learner_logprobs(model, engine, tok, temperature, chunk):
+    task = ArithmeticTask()
+    problems = task.problems("train", 4)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature)
+    eps = run_episodes(engine, task, tok, problems, params, seeds=list(range(4)))
+    assert sum(e.num_generated for e in eps) >= 20
+    learner_lp, behavior_lp, _ = _learner_logp(model, eps, temperature, chunk)
+    diff = np.abs(learner_lp - behavior_lp).max()
+    assert diff < 1e-5, diff
+    if temperature != 1.0:  # the check is sensitive to a temperature mismatch
+        other, _, _ = _learner_logp(model, eps, 1.0)
+        assert np.abs(other - behavior_lp).max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) one compilation per shape bucket
+
+
+def test_same_bucket_does_not_retrace(model):
+    eng = JaxEngine(model, chunk=4)
+    eng.generate([_req(f"a{i}", _prompt(i, 5 + 2 * i), max_new_tokens=6, seed=i) for i in range(3)])
+    assert eng.traces == 2  # prefill + decode
+    # 4 rows (batch bucket 4), prompts 3..12 (bucket 16), budgets <= 16, other sampling params
+    # and stop tokens (<= 4 per request).
+    eng.generate(
+        [
+            _req(
+                f"b{i}",
+                _prompt(10 + i, 3 + 3 * i),
+                max_new_tokens=10 + i,
+                temperature=0.5 + 0.2 * i,
+                top_k=i,
+                top_p=1.0 - 0.1 * i,
+                stop_token_ids=(1, 2 + i, 7, 9),
+                seed=i,
+            )
+            for i in range(4)
+        ]
+    )
+    assert eng.traces == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) greedy == argmax of full forward passes
+
+
+def _greedy_reference(model, prompts, steps):
+    """Greedy continuation by full forward passes over right-padded rows (no KV cache)."""
+    L = 32
+    forward = nnx.jit(lambda m, t: m(t))
+    rows = [list(p) for p in prompts]
+    logps, margins = [[] for _ in rows], []
+    for _ in range(steps):
+        tokens = np.zeros((len(rows), L), np.int32)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = r
+        logits = np.asarray(forward(model, jnp.asarray(tokens)), np.float64)
+        for b, r in enumerate(rows):
+            x = logits[b, len(r) - 1]
+            top2 = np.sort(x)[-2:]
+            margins.append(top2[1] - top2[0])
+            logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+            logps[b].append(logp[int(np.argmax(x))])
+            r.append(int(np.argmax(x)))
+    return [np.asarray(r[len(p) :]) for r, p in zip(rows, prompts)], logps, min(margins)
+
+
+def test_greedy_equals_argmax_of_full_forward(model, engine):
+    prompts = [_prompt(1, 3), _prompt(2, 9), _prompt(3, 6)]
+    steps = 10
+    ref, ref_logp, margin = _greedy_reference(model, prompts, steps)
+    assert margin > 1e-3  # no near-ties: argmax is well defined
+    gens = engine.generate(
+        [_req(f"g{i}", p, max_new_tokens=steps, temperature=0.0) for i, p in enumerate(prompts)]
+    )
+    for g, r, lp in zip(gens, ref, ref_logp):
+        np.testing.assert_array_equal(g.token_ids, r)
+        assert np.abs(g.logprobs - np.asarray(lp)).max() < 1e-5
+        assert g.finish_reason == "length"
+        assert (g.versions == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) per-request seeds
+
+
+def test_request_output_independent_of_batch(engine):
+    target = _req("t", _prompt(7, 6), max_new_tokens=14, temperature=1.0, seed=1234)
+    alone = engine.generate([target])[0]
+    others = [
+        _req("o1", _prompt(8, 11), max_new_tokens=5, temperature=0.3, seed=5),
+        _req("o2", _prompt(9, 2), max_new_tokens=14, temperature=1.0, top_k=3, seed=6),
+        _req("o3", _prompt(10, 15), max_new_tokens=9, temperature=0.0),
+    ]
+    for batch in ([others[0], target, others[1]], [*others, target]):
+        out = engine.generate(batch)
+        for g in out:
+            if g.request_id == "t":
+                np.testing.assert_array_equal(g.token_ids, alone.token_ids)
+                assert np.abs(g.logprobs - alone.logprobs).max() < 1e-5
+    reseeded = SamplingParams(max_new_tokens=14, temperature=1.0, seed=4321)
+    other_seed = engine.generate([GenerationRequest("t", target.prompt_ids, reseeded)])[0]
+    assert not np.array_equal(other_seed.token_ids, alone.token_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) stop tokens and max_new_tokens
+
+
+def test_stop_tokens_and_budget(engine):
+    prompt = _prompt(11, 5)
+    full = engine.generate([_req("f", prompt, max_new_tokens=12, temperature=0.0)])[0].token_ids
+    # first position k >= 2 whose token did not occur before (a stop there ends exactly there)
+    k = next(i for i in range(2, 12) if full[i] not in full[:i])
+    reqs = [
+        _req("stop", prompt, max_new_tokens=12, temperature=0.0, stop_token_ids=(int(full[k]),)),
+        _req("first", prompt, max_new_tokens=12, temperature=0.0, stop_token_ids=(int(full[0]),)),
+        _req("len5", prompt, max_new_tokens=5, temperature=0.0),
+        # same batch, no stop tokens: another request's stop token must not end this one
+        _req("nostop", prompt, max_new_tokens=12, temperature=0.0),
+    ]
+    g = {x.request_id: x for x in engine.generate(reqs)}
+    g["len1"] = engine.generate([_req("len1", prompt, max_new_tokens=1, temperature=0.0)])[0]
+    np.testing.assert_array_equal(g["stop"].token_ids, full[: k + 1])
+    assert g["stop"].finish_reason == "stop"
+    np.testing.assert_array_equal(g["first"].token_ids, full[:1])
+    assert g["first"].finish_reason == "stop"
+    np.testing.assert_array_equal(g["len5"].token_ids, full[:5])
+    assert g["len5"].finish_reason == "length"
+    np.testing.assert_array_equal(g["len1"].token_ids, full[:1])
+    assert g["len1"].finish_reason == "length"
+    np.testing.assert_array_equal(g["nostop"].token_ids, full)
+    assert g["nostop"].finish_reason == "length"
+    for x in g.values():
+        assert len(x.logprobs) == len(x.versions) == len(x.token_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) top-k / top-p
+
+
+def test_top_k_1_equals_greedy(engine):
+    prompts = [_prompt(20, 4), _prompt(21, 8), _prompt(22, 16)]
+    greedy = engine.generate(
+        [_req(f"g{i}", p, max_new_tokens=10, temperature=0.0) for i, p in enumerate(prompts)]
+    )
+    topk = engine.generate(
+        [
+            _req(f"k{i}", p, max_new_tokens=10, temperature=1.3, top_k=1, seed=99 + i)
+            for i, p in enumerate(prompts)
+        ]
+    )
+    for g, k in zip(greedy, topk):
+        np.testing.assert_array_equal(k.token_ids, g.token_ids)
+        assert np.abs(k.logprobs).max() < 1e-6  # one token left: probability 1
+
+
+def _numpy_keep(x, temperature, top_k, top_p):
+    """The set of tokens kept by temperature -> top-k -> top-p (vLLM's order), in float64."""
+    z = x.astype(np.float64) / temperature
+    order = np.argsort(-z)
+    keep = np.zeros(len(z), bool)
+    k = len(z) if top_k == 0 else top_k
+    keep[order[:k]] = True
+    if top_p < 1.0:
+        zk = np.where(keep, z, -np.inf)
+        p = np.exp(zk - zk.max())
+        p /= p.sum()
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep_p = np.zeros(len(z), bool)
+        keep_p[order[mass_before < top_p]] = True
+        keep &= keep_p
+    return keep, z
+
+
+def test_process_logits_matches_numpy_top_k_top_p():
+    rng = np.random.RandomState(0)
+    settings = [  # (temperature, top_k, top_p)
+        (1.0, 0, 1.0),
+        (0.7, 0, 0.9),
+        (1.5, 0, 0.5),
+        (1.0, 10, 1.0),
+        (0.8, 20, 0.8),
+        (1.0, 5, 0.3),
+        (2.0, 0, 0.999),
+        (0.5, 1, 1.0),
+        (0.0, 0, 1.0),  # greedy rows are processed at temperature 1
+    ]
+    x = (2.0 * rng.standard_normal((len(settings), V))).astype(np.float32)
+    temp, topk, topp = (np.asarray(c) for c in zip(*settings))
+    out = np.asarray(
+        process_logits(
+            jnp.asarray(x),
+            jnp.asarray(temp, jnp.float32),
+            jnp.asarray(topk, jnp.int32),
+            jnp.asarray(topp, jnp.float32),
+        )
+    )
+    keys = jax.random.split(jax.random.PRNGKey(0), 4000)
+    for b, (t, k, p) in enumerate(settings):
+        keep, z = _numpy_keep(x[b], t if t > 0 else 1.0, k, p)
+        np.testing.assert_array_equal(np.isfinite(out[b]), keep)
+        assert np.abs(out[b][keep] - z[keep]).max() < 1e-5
+        probs = np.exp(z - z.max()) * keep
+        probs /= probs.sum()
+        if p < 1.0:  # the smallest prefix with mass >= p: dropping its least token falls short
+            top_k_set, _ = _numpy_keep(x[b], t, k, 1.0)
+            pk = np.exp(z - z.max()) * top_k_set
+            pk /= pk.sum()
+            mass = pk[keep].sum()
+            assert mass >= p and mass - pk[keep].min() < p
+        # samples only ever come from the kept set, with the processed distribution's log-prob
+        rows = jnp.broadcast_to(jnp.asarray(out[b]), (len(keys), V))
+        tok, lp = jax.jit(_sample)(
+            rows, jax.random.key_data(keys), jnp.full(len(keys), max(t, 1e-3), jnp.float32)
+        )
+        tok = np.asarray(tok)
+        assert keep[tok].all()
+        assert np.abs(np.asarray(lp) - np.log(probs[tok])).max() < 1e-5
+        if keep.sum() > 1:  # the empirical distribution follows the kept probabilities
+            freq = np.bincount(tok, minlength=V) / len(tok)
+            assert np.abs(freq - probs).max() < 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) abort and interrupting weight updates
+
+
+@contextlib.contextmanager
+def _after_first_decode(engine, on_first):
+    """Runs on_first() (in the generating thread) right after the engine's next decode chunk."""
+    decode, fired = engine._decode, []
+
+    def wrapped(*args):
+        out = decode(*args)
+        if not fired:
+            fired.append(True)
+            on_first()
+        return out
+
+    engine._decode = wrapped
+    try:
+        yield fired
+    finally:
+        engine._decode = decode
+
+
+def test_abort_from_another_thread_returns_partial(engine):
+    started, go = threading.Event(), threading.Event()
+
+    def pause():
+        started.set()
+        assert go.wait(60)
+
+    reqs = [_req(f"r{i}", _prompt(30 + i, 5), max_new_tokens=16, seed=i) for i in range(3)]
+    result = {}
+    with _after_first_decode(engine, pause):
+        t = threading.Thread(target=lambda: result.setdefault("gens", engine.generate(reqs)))
+        t.start()
+        assert started.wait(60)
+        engine.abort()  # from this thread, while the other one generates
+        go.set()
+        t.join(60)
+    try:
+        for g in result["gens"]:
+            assert g.finish_reason == "abort"
+            assert len(g.token_ids) == 1 + 4  # the prefill token and one decode chunk
+            assert len(g.logprobs) == len(g.versions) == 5 and (g.versions == 0).all()
+    finally:
+        engine.resume()
+    full = engine.generate(reqs)
+    for g, partial in zip(full, result["gens"]):
+        assert g.finish_reason == "length" and len(g.token_ids) == 16
+        np.testing.assert_array_equal(g.token_ids[:5], partial.token_ids)
+        assert np.abs(g.logprobs[:5] - partial.logprobs).max() < 1e-5
+
+
+def test_interrupting_update_resubmits_on_new_weights(model, tok):
+    """`continue` partial rollouts: tokens after the switch come from (and carry) version 1."""
+    new_model = randomize(nnx.clone(model), seed=1)
+    new_params = nnx.state(new_model, nnx.Param)
+    eng = JaxEngine(model, chunk=4)
+    updater = []
+
+    def switch():  # a weight update from another thread, interrupting this generation
+        t = threading.Thread(
+            target=lambda: eng.update_weights(1, params=new_params, interrupt=True)
+        )
+        t.start()
+        updater.append(t)
+        deadline = time.monotonic() + 60
+        while not eng._interrupt.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    task = ArithmeticTask()
+    problems = task.problems("train", 3)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    with _after_first_decode(eng, switch):
+        eps = run_episodes(eng, task, tok, problems, params, seeds=[3, 4, 5])
+    updater[0].join(60)
+    assert eng.version == 1
+    for e in eps:
+        v = e.versions[e.loss_mask > 0]
+        assert e.finish_reason == "length", e.finish_reason
+        np.testing.assert_array_equal(v, [0] * 5 + [1] * 11)
+        assert e.version_span == (0, 1)
+    # Each token's behavior log-prob is that of the weights its version names.
+    old_lp, behavior, versions = _learner_logp(model, eps, 1.0)
+    new_lp, _, _ = _learner_logp(new_model, eps, 1.0)
+    old, new = versions == 0, versions == 1
+    assert np.abs(old_lp[old] - behavior[old]).max() < 1e-5
+    assert np.abs(new_lp[new] - behavior[new]).max() < 1e-5
+    assert np.abs(old_lp[new] - behavior[new]).max() > 1e-2  # the weights really differ
+
+
+def test_episode_version_span_ignores_environment_tokens():
+    e = Episode(
+        "p",
+        np.arange(6),
+        np.array([0, 1, 1, 0, 1, 0]),
+        np.zeros(6),
+        np.array([-1, 2, 3, -1, 3, -1]),
+        prompt_len=1,
+        reward=0.0,
+    )
+    assert e.version_span == (2, 3) and e.num_generated == 3
