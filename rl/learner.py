@@ -193,7 +193,7 @@ class Learner:
         batch_sharding = _batch_sharding(self.mesh)
 
         def policy_logp(model, b):
-            h = model.hidden_states(b["inputs"], b["positions"], b["segment_ids"])
+            h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
             return token_logprobs(
                 h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
             )
@@ -279,7 +279,7 @@ class Learner:
 
         def logp(state, b):
             model, _ = nnx.merge(graphdef, state)
-            h = model.hidden_states(b["inputs"], b["positions"], b["segment_ids"])
+            h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
             return token_logprobs(
                 h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
             )[0]
