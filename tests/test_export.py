@@ -1,0 +1,163 @@
+"""launch.export: a trained run's checkpoint -> HF (checked with transformers) -> checkpoint."""
+
+import json
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+import yaml
+
+from launch import export as E
+from rl import config as C
+from rl.checkpoint import restore_params
+from rl.trainer import Trainer, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(ROOT, "configs", "default.yaml")
+TINY = [
+    "sft.steps=5",
+    "sft.batch_size=16",
+    "trainer.total_updates=2",
+    "rollout.prompts_per_update=4",
+    "rollout.group_size=4",
+    "task.num_eval=16",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.save_episodes=0",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny run trained for 2 updates (supervised warm start first)."""
+    path = str(tmp_path_factory.mktemp("run"))
+    summary = train(C.load(BASE, TINY), run_dir=path)
+    assert math.isfinite(summary["loss/loss"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(run_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("hf"))
+    assert E.main([os.path.join(run_dir, "checkpoints"), out]) == 0
+    return out
+
+
+def _tokens(vocab: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, vocab, size=(2, 16), dtype=np.int32)
+
+
+def _torch_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
+    """Logits of the HF directory under transformers, float32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def _restored_trainer(cfg, run_dir) -> Trainer:
+    trainer = Trainer(cfg, run_dir=run_dir, resume=True)
+    assert trainer.resume_meta is not None, "the trainer restored no checkpoint"
+    return trainer
+
+
+def test_export_matches_learner_logits(run_dir, hf_dir):
+    from transformers import AutoTokenizer
+
+    files = set(os.listdir(hf_dir))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    manifest = json.load(open(os.path.join(hf_dir, E.EXPORT_MANIFEST)))
+    assert (manifest["step"], manifest["version"]) == (2, 2)
+    hf_tok = AutoTokenizer.from_pretrained(hf_dir)
+    cfg_json = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert cfg_json["eos_token_id"] == hf_tok.eos_token_id is not None
+
+    cfg = C.load(os.path.join(run_dir, "config.yaml"))
+    trainer = _restored_trainer(cfg, run_dir)
+    try:
+        assert trainer.learner.version == 2
+        tokens = _tokens(trainer.tokenizer.vocab_size)
+        ours = np.asarray(jax.device_get(trainer.learner.model(tokens)), np.float32)
+    finally:
+        trainer.writer.close()
+        trainer.ckpt.close()
+    theirs = _torch_logits(hf_dir, tokens)
+    assert ours.shape == theirs.shape == (2, 16, cfg_json["vocab_size"])
+    assert np.abs(ours).max() > 1.0  # trained weights, not an all-zero head
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_hf_to_orbax_resumes_training(run_dir, hf_dir, tmp_path):
+    new_run = str(tmp_path / "imported")
+    ckpt = os.path.join(new_run, "checkpoints")
+    config = os.path.join(run_dir, "config.yaml")
+    assert E.main(["--to-orbax", hf_dir, ckpt, "--config", config]) == 0
+    assert E.main(["--to-orbax", hf_dir, ckpt, "--config", config]) == 2  # never overwrites
+
+    # The checkpoint holds the HF tensors (torch layout transposed back), fresh Adam state.
+    state = restore_params(ckpt)
+    hf = safetensors.numpy.load_file(os.path.join(hf_dir, "model.safetensors"))
+    flat = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[prefix + k] = np.asarray(v)
+
+    walk(state["0"], "")
+    assert len(flat) == len(hf)
+    for name, value in flat.items():
+        stem, leaf = name.rsplit(".", 1)
+        if leaf == "kernel":  # torch Linear weights are (out, in)
+            ref = hf[f"{stem}.weight"].T
+        elif leaf == "embedding":
+            ref = hf[f"{stem}.weight"]
+        else:
+            ref = hf[name]
+        np.testing.assert_array_equal(value, ref, err_msg=name)
+    opt_leaves = jax.tree.leaves(state["1"])
+    assert opt_leaves and all(not np.asarray(x).any() for x in opt_leaves)  # moments, counts 0
+    step, meta = E.read_meta(ckpt)
+    assert (step, meta["version"], meta["next_group"]) == (0, 0, 0)
+    assert os.path.exists(os.path.join(new_run, "tokenizer", "tokenizer.json"))
+
+    cfg = C.load(config)
+    trainer = _restored_trainer(cfg, new_run)
+    assert trainer.learner.version == 0
+    tokens = _tokens(trainer.tokenizer.vocab_size)
+    ours = np.asarray(jax.device_get(trainer.learner.model(tokens)), np.float32)
+    np.testing.assert_allclose(ours, _torch_logits(hf_dir, tokens), atol=1e-5, rtol=0)
+    summary = trainer.run()  # == train(cfg, run_dir=new_run, resume=True)
+
+    with open(os.path.join(new_run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["version"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss/loss"]) for r in rows)
+    assert math.isfinite(summary["loss/loss"]) and "eval/accuracy" in rows[-1]
+    step, meta = E.read_meta(ckpt)
+    assert (step, meta["version"]) == (2, 2)
+
+
+def test_import_refuses_a_model_of_another_shape(hf_dir, tmp_path):
+    config = tmp_path / "big.yaml"
+    config.write_text(yaml.safe_dump({"model": {"preset": "qwen2_0p5b"}}))
+    with pytest.raises(ValueError, match="hidden_size: run config 896 vs HF 128"):
+        E.import_hf(hf_dir, str(tmp_path / "r" / "checkpoints"), config_path=str(config))
+
+
+def test_export_errors(run_dir, tmp_path, capsys):
+    ckpt = os.path.join(run_dir, "checkpoints")
+    assert E.main([ckpt, str(tmp_path / "x"), "--step", "7"]) == 2
+    assert "--step 7: no such checkpoint" in capsys.readouterr().err
+    lone = tmp_path / "lone" / "checkpoints"
+    lone.mkdir(parents=True)
+    assert E.main([str(lone), str(tmp_path / "y")]) == 2
+    assert "config.yaml not found" in capsys.readouterr().err
