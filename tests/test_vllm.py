@@ -404,36 +404,62 @@ def _long_request(tag: str, n: int = LONG):
 
 
 def start_long(side: Side, tag: str, n: int = LONG, **kwargs):
-    """Starts a long generate() in a thread; returns once vLLM has produced tokens for it."""
-    since = metric(side.host.url, "vllm:generation_tokens_total")
+    """Starts a long generate() in a thread; returns once the engine has sent it to vLLM."""
     thread, box = run_in_thread(lambda: side.engine.generate(_long_request(tag, n), **kwargs))
-    wait_generating(side.host.url, since)
+    end = time.monotonic() + 30
+    while side.engine.inflight()[side.host.url] == 0:
+        assert time.monotonic() < end and not box, box
+        time.sleep(0.01)
     return thread, box
+
+
+def interrupt_long(side: Side, tag: str, action, accept, n=LONG, tries=3) -> Generation:
+    """Runs `action` while a long request is frozen mid-generation; retries if it finished first.
+
+    The freeze (pause 'keep' once vLLM has produced a token for the request) makes the timing
+    deterministic on a loaded machine, where vLLM's output arrives in bursts seconds apart.
+    """
+    for _ in range(tries):
+        since = metric(side.host.url, "vllm:generation_tokens_total")
+        thread, box = start_long(side, f"{tag}-{_}", n)
+        wait_generating(side.host.url, since, tokens=1)
+        side.engine.pause("keep")
+        if not box:
+            action()
+        side.engine.resume()
+        thread.join(timeout=120)
+        (gen,) = box["result"]
+        if accept(gen):
+            return gen
+    pytest.fail(f"{tag}: the request finished before it could be interrupted, {tries} times")
 
 
 def test_update_mid_request_continue_spans_versions(cluster):
     side = cluster["untied"]
     side.engine.update_mode = "continue"
-    old_model, old_version = side.model, side.version
-    new_model = perturbed(old_model, seed=300)
-    published = side.publish_next(new_model)  # before: the update must land mid-request
-    thread, box = start_long(side, "cont")
-    side.update(new_model, published)
-    thread.join(timeout=120)
-    (gen,) = box["result"]
+    models = {side.version: side.model}
+
+    def update():
+        new_model = perturbed(side.model, seed=300 + side.version)
+        side.update(new_model)
+        models[side.version] = new_model
+
+    gen = interrupt_long(side, "cont", update, lambda g: len(np.unique(g.versions)) == 2)
     assert gen.finish_reason == "length" and len(gen.token_ids) == LONG
+    old_version, new_version = int(gen.versions[0]), int(gen.versions[-1])
+    assert new_version == side.version and old_version == new_version - 1
     k = int(np.sum(gen.versions == old_version))
-    assert 0 < k < LONG, f"update did not land mid-request (k={k})"
-    np.testing.assert_array_equal(gen.versions[:k], old_version)
-    np.testing.assert_array_equal(gen.versions[k:], side.version)
+    np.testing.assert_array_equal(gen.versions[:k], old_version)  # one switch, old then new
     prompt = PROMPTS[0]
-    old_part = ref_logprobs(old_model, prompt, gen.token_ids[:k], 1.0)
-    new_part = ref_logprobs(new_model, prompt + gen.token_ids[:k].tolist(), gen.token_ids[k:], 1.0)
+    old_part = ref_logprobs(models[old_version], prompt, gen.token_ids[:k], 1.0)
+    new_part = ref_logprobs(
+        models[new_version], prompt + gen.token_ids[:k].tolist(), gen.token_ids[k:], 1.0
+    )
     d_old = float(np.max(np.abs(old_part - gen.logprobs[:k])))
     d_new = float(np.max(np.abs(new_part - gen.logprobs[k:])))
     print(
         f"continue: {k} tokens at v{old_version} (max |dlogp| {d_old:.1e}), "
-        f"{LONG - k} at v{side.version} (max |dlogp| {d_new:.1e})"
+        f"{LONG - k} at v{new_version} (max |dlogp| {d_new:.1e})"
     )
     assert d_old < TOL and d_new < TOL
 
@@ -443,16 +469,19 @@ def test_update_mid_request_abort_and_drain(cluster):
     engine = side.engine
     try:
         engine.update_mode = "abort"
-        old_model, old_version = side.model, side.version
-        new_model = perturbed(old_model, seed=400)
-        published = side.publish_next(new_model)
-        thread, box = start_long(side, "abort")
-        side.update(new_model, published)
-        thread.join(timeout=120)
-        (gen,) = box["result"]
-        assert gen.finish_reason == "abort" and 0 < len(gen.token_ids) < LONG
-        assert (gen.versions == old_version).all()
-        assert max_diff(old_model, PROMPTS[0], gen, 1.0) < TOL
+        models = {side.version: side.model}
+
+        def update():
+            models[side.version] = side.model
+            side.update(perturbed(side.model, seed=400 + side.version))
+
+        gen = interrupt_long(
+            side, "abort", update, lambda g: g.finish_reason == "abort" and g.token_ids.size
+        )
+        assert 0 < len(gen.token_ids) < LONG
+        old_version = int(gen.versions[0])
+        assert old_version == side.version - 1 and (gen.versions == old_version).all()
+        assert max_diff(models[old_version], PROMPTS[0], gen, 1.0) < TOL
 
         engine.update_mode = "drain"
         old_model, old_version = side.model, side.version
@@ -477,13 +506,11 @@ def test_update_mid_request_abort_and_drain(cluster):
 
 def test_abort_pause_resume(cluster):
     side = cluster["tied"]
-    engine, url = side.engine, side.host.url
+    engine = side.engine
 
-    thread, box = start_long(side, "user-abort")
-    engine.abort()
-    thread.join(timeout=30)
-    (gen,) = box["result"]
-    assert gen.finish_reason == "abort" and 0 < len(gen.token_ids) < LONG
+    aborted = lambda g: g.finish_reason == "abort" and g.token_ids.size > 0
+    gen = interrupt_long(side, "user-abort", engine.abort, aborted)
+    assert 0 < len(gen.token_ids) < LONG and (gen.versions == side.version).all()
     assert max_diff(side.model, PROMPTS[0], gen, 1.0) < TOL
 
     engine.pause("wait")
@@ -492,19 +519,13 @@ def test_abort_pause_resume(cluster):
     )
     time.sleep(1.0)
     assert thread.is_alive() and not box  # nothing is dispatched while paused
+    assert engine.inflight() == {side.host.url: 0}
     engine.resume()
     thread.join(timeout=60)
     assert [len(g.token_ids) for g in box["result"]] == [8] * len(PROMPTS)
 
-    thread, box = start_long(side, "keep", 600)
-    engine.pause("keep")
-    frozen = metric(url, "vllm:generation_tokens_total")
-    time.sleep(0.5)
-    assert metric(url, "vllm:generation_tokens_total") == frozen  # the request is frozen
-    assert thread.is_alive()
-    engine.resume()
-    thread.join(timeout=60)
-    (gen,) = box["result"]
+    # keep: frozen mid-request, then continued after resume with no token lost or repeated.
+    gen = interrupt_long(side, "keep", lambda: time.sleep(0.5), lambda g: True, n=600)
     assert gen.finish_reason == "length" and len(gen.token_ids) == 600
     assert max_diff(side.model, PROMPTS[0], gen, 1.0) < TOL
 
@@ -519,7 +540,7 @@ def test_failing_request_cancels_its_batch(cluster):
     finished = metric(url, "vllm:request_success_total", finished_reason="length")
     with pytest.raises(VLLMError, match="too-long"):
         side.engine.generate(_long_request("victim") + [too_long])
-    # The long request of the same call stops on the server instead of running to its end.
+    # The long request of the same call is stopped (on the server if it got there) at once.
     end = time.monotonic() + 3.0
     while metric(url, "vllm:num_requests_running") > 0:
         assert time.monotonic() < end, "the failed call's other request still runs"
@@ -531,6 +552,24 @@ def test_failing_request_cancels_its_batch(cluster):
     assert len(gen.token_ids) == 4  # the engine still works afterwards
 
 
+def test_deadline_bounds_generate_and_frees_the_server(cluster):
+    side = cluster["tied"]
+    url = side.host.url
+    finished = metric(url, "vllm:request_success_total", finished_reason="length")
+    t0 = time.monotonic()
+    with pytest.raises(VLLMError, match="deadline"):
+        side.engine.generate(_long_request("slow"), deadline_s=1.5)
+    took = time.monotonic() - t0
+    print(f"generate(deadline_s=1.5) raised after {took:.2f} s")
+    assert took < 1.5 + 5.0
+    end = time.monotonic() + 3.0
+    while metric(url, "vllm:num_requests_running") > 0:  # the timed-out request was aborted
+        assert time.monotonic() < end, "the timed-out request still runs on the server"
+        time.sleep(0.05)
+    assert metric(url, "vllm:request_success_total", finished_reason="length") == finished
+    assert side.engine.health() == {url: True}  # a slow answer does not make a host unhealthy
+
+
 # ---------------------------------------------------------------------------------------------
 # A host killed mid-run (last: it takes the untied server down).
 
@@ -538,6 +577,7 @@ def test_failing_request_cancels_its_batch(cluster):
 def test_sigkill_mid_run_gives_clear_error(cluster):
     side = cluster["untied"]
     thread, box = start_long(side, "killed", deadline_s=60)
+    time.sleep(0.5)
     t_kill = time.monotonic()
     os.kill(side.host.process.pid, signal.SIGKILL)
     thread.join(timeout=60)

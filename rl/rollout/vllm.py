@@ -9,14 +9,24 @@ a host while that host's weights change:
   * `update_weights` closes the gate, then empties the host of this engine's in-flight requests
     ("drain": lets them finish; "abort"/"continue": POST /abort_requests until every in-flight
     HTTP call has returned), and only then pauses, reloads, sets the version and reopens.
-So all tokens of one HTTP request come from the one version read when it was sent. With
+So all tokens of one HTTP request come from the one version read when it was sent. (vLLM's
+own /pause is not enough: a request that reaches a paused server waits and then runs on the NEW
+weights after /resume.) With
 update_mode "abort" an interrupted request returns finish_reason "abort" and its partial tokens;
 with "continue" it is resubmitted with its prefix appended to the prompt (the KV cache is rebuilt
 with the new weights), so its later tokens carry the new version (a partial rollout). The hosts
 must be used by this engine only (another client's requests are not gated).
 
 The servers run with `--logprobs-mode processed_logprobs`: a behavior log-prob is log p(token)
-under the distribution it was sampled from (after temperature, top-k and top-p).
+under the distribution it was sampled from (after temperature, top-k and top-p); at temperature
+0 (greedy) vLLM reports the raw (temperature 1) log-prob of the greedy token. Generation stops
+only at `SamplingParams.stop_token_ids` (the stop token is kept) or `max_new_tokens`: the
+model's EOS stops nothing unless it is listed.
+
+Failures are bounded: every HTTP call has a timeout, generate() has an overall deadline, a host
+whose connection fails is marked unhealthy and its requests go to the others, and when no host
+is healthy generate() raises VLLMError naming each host, its exit code and its log tail.
+generate() may be called from many threads at once; update_weights() from another.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -162,7 +173,7 @@ class VLLMHost:
         cls,
         model_dir: str,
         *,
-        log_path: str,
+        log_path: str | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
         dtype: str = "float32",
@@ -176,6 +187,8 @@ class VLLMHost:
     ) -> VLLMHost:
         """Starts `python -m vllm.entrypoints.openai.api_server` for model_dir; see wait_ready."""
         port = _free_port(host) if port is None else port
+        if log_path is None:
+            log_path = os.path.join(tempfile.gettempdir(), f"vllm-{host}-{port}.log")
         cmd = [
             sys.executable,
             "-m",
@@ -401,6 +414,11 @@ class VLLMEngine:
         with self._cond:
             return {st.host.url: st.version for st in self._hosts}
 
+    def inflight(self) -> dict[str, int]:
+        """This engine's HTTP calls in flight per host URL (its current load)."""
+        with self._cond:
+            return {st.host.url: st.inflight for st in self._hosts}
+
     def health(self) -> dict[str, bool]:
         """Probes every host; a host is healthy if /health answers and it serves self.version."""
         out = {}
@@ -484,6 +502,10 @@ class VLLMEngine:
             except _RetryableError as e:
                 errors.append(str(e))
                 self._release(st, call, rid, failed_host=e.host_down)
+                if time.monotonic() >= call.end:
+                    raise VLLMError(
+                        f"request {req.request_id!r}: generate() deadline passed; last: {e}"
+                    ) from None
                 if len(errors) > self.max_retries:
                     raise VLLMError(
                         f"request {req.request_id!r} failed {len(errors)} times; last: {e}"
