@@ -306,7 +306,7 @@ class _Running:
     def __init__(self, run: RunSpec, run_dir: str, cmd: list[str], env: dict):
         self.run, self.run_dir, self.cmd = run, run_dir, cmd
         self.log_path = os.path.join(run_dir, LOG)
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in finish()
+        self.log = open(self.log_path, "a")  # noqa: SIM115 - closed in finish(); keeps earlier tries
         self.log.write("$ " + shlex.join(cmd) + "\n")
         self.log.flush()
         self.t0 = time.perf_counter()

@@ -67,6 +67,7 @@ def _restored_trainer(cfg, run_dir) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_export_matches_learner_logits(run_dir, hf_dir):
     from transformers import AutoTokenizer
 
@@ -93,6 +94,7 @@ def test_export_matches_learner_logits(run_dir, hf_dir):
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_hf_to_orbax_resumes_training(run_dir, hf_dir, tmp_path):
     new_run = str(tmp_path / "imported")
     ckpt = os.path.join(new_run, "checkpoints")

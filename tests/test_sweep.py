@@ -245,3 +245,14 @@ def test_smoke_sweep_end_to_end(tmp_path, capsys):
     for name in again:
         assert again[name]["eval/accuracy:final"] == rows[name]["eval/accuracy:final"]
         assert again[name]["wall_s"] == rows[name]["wall_s"]
+
+
+def test_interrupted_run_is_resumed(tmp_path):
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    assert not S._has_checkpoint(str(run_dir))  # an empty checkpoints dir: start afresh
+    (run_dir / "checkpoints" / "0").mkdir()
+    assert S._has_checkpoint(str(run_dir))
+    sw = S.load(SMOKE)
+    assert S.command(sw, sw.runs[0], str(run_dir), resume=True)[-1] == "--resume"
+    assert "--resume" not in S.command(sw, sw.runs[0], str(run_dir))
