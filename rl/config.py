@@ -262,6 +262,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)  # YAML 1.1 reads "1e-3" as a string
         raise ConfigError(f"{path}: expected float, got {value!r}")
     if tp is str:
         if isinstance(value, str):
