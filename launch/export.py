@@ -58,21 +58,10 @@ def model_config_of(cfg, vocab_size: int):
 
 
 def rl_optimizer(cfg):
-    """The RL-stage optimizer of a run config (as the trainer builds it)."""
-    from rl.learner import make_optimizer
+    """The RL-stage optimizer of a run config (the trainer's own)."""
+    from rl.trainer import rl_optimizer as trainer_rl_optimizer
 
-    o = cfg.optim
-    return make_optimizer(
-        o.lr,
-        total_steps=cfg.trainer.total_updates * cfg.learner.minibatches,
-        warmup_steps=o.warmup_steps,
-        schedule=o.schedule,
-        weight_decay=o.weight_decay,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        max_grad_norm=o.max_grad_norm,
-    )
+    return trainer_rl_optimizer(cfg)
 
 
 def read_meta(checkpoint_dir: str, step: int | None = None) -> tuple[int, dict]:

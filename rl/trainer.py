@@ -59,6 +59,22 @@ def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
     )
 
 
+def rl_optimizer(cfg: C.RunConfig):
+    """The optimizer of the RL stage (its state structure is what checkpoints hold)."""
+    o = cfg.optim
+    return make_optimizer(
+        o.lr,
+        total_steps=cfg.trainer.total_updates * cfg.learner.minibatches,
+        warmup_steps=o.warmup_steps,
+        schedule=o.schedule,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        max_grad_norm=o.max_grad_norm,
+    )
+
+
 def effective_eta(cfg: C.RunConfig) -> int:
     """The staleness bound of the mode: sync 0, one_step_off 1, async max_staleness."""
     return {"sync": 0, "one_step_off": 1}.get(cfg.trainer.mode, cfg.trainer.max_staleness)
@@ -142,18 +158,7 @@ class Trainer:
         return msh.create_model(mcfg, self.mesh, seed=cfg.seed)
 
     def _rl_tx(self):
-        o = self.cfg.optim
-        return make_optimizer(
-            o.lr,
-            total_steps=self.cfg.trainer.total_updates * self.cfg.learner.minibatches,
-            warmup_steps=o.warmup_steps,
-            schedule=o.schedule,
-            weight_decay=o.weight_decay,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            max_grad_norm=o.max_grad_norm,
-        )
+        return rl_optimizer(self.cfg)
 
     def _rl_step_cfg(self) -> StepConfig:
         a = self.cfg.algorithm
