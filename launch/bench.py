@@ -251,6 +251,8 @@ def bench_learner(args) -> dict:
     mem = _peak_memory_gib()
     if mem is not None:
         print(f"peak device memory: {mem:.1f} GiB")
+    if args.breakdown:
+        _learner_breakdown(learner, batch, chunk, fl, step_s, peak_flops)
     return dict(
         learner_tokens_per_s=tokens / step_s,
         mfu=mfu,
@@ -259,6 +261,53 @@ def bench_learner(args) -> dict:
         hfu=hfu,
         model_tflops=flops_s / 1e12,
     )
+
+
+def _learner_breakdown(learner, batch, chunk: int, fl: LearnerFlops, step_s: float, peak):
+    """Times the decoder body and the log-prob head (forward + backward) as separate programs."""
+    from flax import nnx
+
+    from rl.logprobs import token_logprobs
+
+    arrays = batch.arrays() if hasattr(batch, "arrays") else dict(batch)
+    arrays.pop("versions", None)
+    b = jax.device_put(arrays, jax.devices()[0])
+    model = learner.model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    cfg = model.config
+    B, T = b["inputs"].shape
+    kh, kg = jax.random.split(jax.random.key(1))
+    g_BTD = jax.random.normal(kg, (B, T, cfg.hidden_size), cfg.dtype)
+    h_BTD = jax.random.normal(kh, (B, T, cfg.hidden_size), cfg.dtype)
+    w_DV = jax.block_until_ready(model.lm_head_kernel())
+
+    def body_loss(p, b):  # the decoder layers' forward + backward, a linear read-out of h
+        m = nnx.merge(graphdef, p, rest)
+        h = m.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
+        return jnp.sum(h.astype(jnp.float32) * g_BTD)
+
+    def head_loss(h, w, b):  # the log-prob head as the loss uses it (entropy without gradient)
+        logp, ent = token_logprobs(h, w, b["targets"], 1.0, chunk)
+        m = b["loss_mask"]
+        return jnp.sum(logp * b["advantages"] * m), jnp.sum(jax.lax.stop_gradient(ent) * m)
+
+    body = jax.jit(jax.grad(body_loss))
+    head = jax.jit(jax.grad(head_loss, argnums=(0, 1), has_aux=True))
+    D, V = cfg.hidden_size, cfg.vocab_size
+    head_model = 6 * D * V
+    parts = (
+        ("decoder body", body, (params, b), fl.model - head_model),
+        ("log-prob head", head, (h_BTD, w_DV, b), head_model),
+    )
+    rest_s = step_s
+    for name, fn, fargs, flops in parts:
+        _timed(fn, *fargs)
+        t = statistics.median(_timed(fn, *fargs)[0] for _ in range(5))
+        rest_s -= t
+        rate = flops * B * T / t
+        mfu = _fmt(rate / peak) if peak else "n/a"
+        print(f"  {name}: {t * 1e3:.1f} ms, {rate / 1e12:.1f} model TFLOP/s, MFU {mfu}")
+    print(f"  rest (optimizer, loss, transfers): {rest_s * 1e3:.1f} ms")
 
 
 def bench_sampler(args) -> dict:
@@ -381,6 +430,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--segments", default="mask", choices=("mask", "none"))
     s.add_argument("--warmup", type=int, default=2)
     s.add_argument("--steps", type=int, default=5)
+    s.add_argument("--breakdown", action="store_true", help="also time body and head alone")
 
     s = sub.add_parser("sampler", help="JaxEngine decode throughput and memory roofline")
     common(s)
