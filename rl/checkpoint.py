@@ -88,10 +88,12 @@ class Checkpointer:
 
     def save(self, step: int, state: nnx.State, meta: dict, groups: dict | None = None) -> None:
         """Saves a checkpoint at `step` (waits for completion, so a crash never half-writes)."""
+        pure = state.to_pure_dict()
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state.to_pure_dict()),
+                params=ocp.args.StandardSave(pure["0"]),
+                optimizer=ocp.args.StandardSave(pure["1"]),
                 meta=ocp.args.JsonSave(meta),
             ),
         )
@@ -113,10 +115,12 @@ class Checkpointer:
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+                params=ocp.args.StandardRestore(target["0"]),
+                optimizer=ocp.args.StandardRestore(target["1"]),
+                meta=ocp.args.JsonRestore(),
             ),
         )
-        nnx.replace_by_pure_dict(state, restored["state"])
+        nnx.replace_by_pure_dict(state, {"0": restored["params"], "1": restored["optimizer"]})
         groups = load_groups(os.path.join(self.directory, f"groups_{step}.npz"))
         return state, restored["meta"], groups
 
@@ -127,14 +131,16 @@ class Checkpointer:
 
 
 def restore_params(directory: str, step: int | None = None) -> dict:
-    """Params of a checkpoint as a pure dict of numpy arrays, on host, without a learner.
+    """The model params of a checkpoint (only that item) as a pure dict of numpy arrays.
 
-    (Used by the parameter server and the exporter.)
+    Needs no learner: the parameter server and the exporter call it on any host.
     """
     mgr = ocp.CheckpointManager(os.path.abspath(directory))
-    step = mgr.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {directory}")
-    restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    mgr.close()
-    return restored["state"]
+    try:
+        step = mgr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {directory}")
+        restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+    finally:
+        mgr.close()
+    return jax.tree.map(np.asarray, restored["params"])
