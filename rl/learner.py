@@ -144,6 +144,20 @@ def _batch_sharding(mesh):
     return msh.logical_sharding(mesh, ("batch", None))
 
 
+# How per-micro-batch metrics combine: sums (losses are normalised by the GLOBAL counts, so their
+# micro-batch values add up), maxima, and everything else a token mean over the micro-batch's
+# trained tokens (re-weighted by its token count, then divided by the global count).
+_SUMMED = ("loss", "pg_loss", "entropy", "logp_sum", "num_tokens")
+_MAXED = ("ratio_max",)
+
+
+def _token_level(cfg: StepConfig) -> bool:
+    """Whether the loss only sums per-token terms (then packed rows are exact)."""
+    c = cfg.loss_cfg
+    sequence_level = cfg.loss == "gspo" or c.is_correction.endswith("_seq")
+    return cfg.loss == "sft" or (c.aggregation == "token_mean" and not sequence_level)
+
+
 class Learner:
     """Owns the policy and optimizer state on a mesh and applies updates; version = updates."""
 
@@ -237,6 +251,8 @@ class Learner:
                     return loss_fn(nnx.merge(model_def, p, rest), b, num_tokens, num_seqs)
 
                 (loss, met), g = jax.value_and_grad(f, has_aux=True)(params)
+                n_local = b["loss_mask"].sum()
+                met = {k: v if k in _SUMMED + _MAXED else v * n_local for k, v in met.items()}
                 return loss, met, g
 
             if n_micro == 1:
@@ -245,21 +261,23 @@ class Learner:
 
                 def acc(carry, b):
                     loss, met, g = grad_one(b)
-                    carry = jax.tree.map(jnp.add, carry, (loss, met, g))
-                    return carry, None
+                    c_loss, c_met, c_g = carry
+                    c_met = {
+                        k: jnp.maximum(c_met[k], v) if k in _MAXED else c_met[k] + v
+                        for k, v in met.items()
+                    }
+                    return (c_loss + loss, c_met, jax.tree.map(jnp.add, c_g, g)), None
 
                 zeros = jax.tree.map(
                     jnp.zeros_like, jax.eval_shape(grad_one, jax.tree.map(lambda x: x[0], micro))
                 )
                 (loss, met, grads), _ = jax.lax.scan(acc, zeros, micro)
-                # Each micro loss is normalised by the GLOBAL counts, so sums are exact; the
-                # per-micro metrics that are means are averaged.
-                met = {
-                    k: (v if k in ("entropy", "logp_sum", "num_tokens") else v / n_micro)
-                    for k, v in met.items()
-                }
                 met["loss"] = loss
-            grad_norm = optax.global_norm(grads)
+            met = {
+                k: v if k in _SUMMED + _MAXED else v / jnp.maximum(num_tokens, 1.0)
+                for k, v in met.items()
+            }
+            grad_norm = optax.tree.norm(grads)
             optimizer.update(model, grads)
             met["grad_norm"] = grad_norm
             met["entropy"] = met["entropy"] / jnp.maximum(num_tokens, 1.0)
@@ -301,6 +319,15 @@ class Learner:
     def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
         """One policy update on a batch (split into `minibatches` optimizer steps)."""
         t0 = time.perf_counter()
+        segment_ids = batch.segment_ids if isinstance(batch, TrainBatch) else batch["segment_ids"]
+        if np.max(segment_ids) > 1 and not _token_level(self.step_cfg):
+            c = self.step_cfg
+            raise ValueError(
+                f"a packed batch (rows hold several sequences) needs a token-level loss, got "
+                f"loss={c.loss!r}, aggregation={c.loss_cfg.aggregation!r}, "
+                f"is_correction={c.loss_cfg.is_correction!r}; use aggregation='token_mean' (and "
+                f"no gspo / *_seq correction) or learner.pack=false"
+            )
         arrays = self._device_batch(batch)
         if self.step_cfg.needs_proximal and minibatches > 1:
             arrays["proximal_logp"] = jnp.asarray(self.logprobs(batch))
