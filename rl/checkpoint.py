@@ -92,8 +92,8 @@ class Checkpointer:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(pure["0"]),
-                optimizer=ocp.args.StandardSave(pure["1"]),
+                params=ocp.args.StandardSave(pure[0]),
+                optimizer=ocp.args.StandardSave(pure[1]),
                 meta=ocp.args.JsonSave(meta),
             ),
         )
@@ -115,12 +115,12 @@ class Checkpointer:
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(target["0"]),
-                optimizer=ocp.args.StandardRestore(target["1"]),
+                params=ocp.args.StandardRestore(target[0]),
+                optimizer=ocp.args.StandardRestore(target[1]),
                 meta=ocp.args.JsonRestore(),
             ),
         )
-        nnx.replace_by_pure_dict(state, {"0": restored["params"], "1": restored["optimizer"]})
+        nnx.replace_by_pure_dict(state, {0: restored["params"], 1: restored["optimizer"]})
         groups = load_groups(os.path.join(self.directory, f"groups_{step}.npz"))
         return state, restored["meta"], groups
 
