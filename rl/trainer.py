@@ -34,7 +34,9 @@ from rl.learner import Learner, StepConfig, bucket, make_batch, make_optimizer
 from rl.metrics import MetricsWriter, staleness_metrics
 from rl.rollout.base import SamplingParams
 from rl.rollout.jax_engine import JaxEngine
+from rl.rollout.process_engine import ProcessEngine
 from rl.tasks import get_task
+from rl.transport import pin_learner, split_of
 from rl.types import Episode, EpisodeGroup
 
 
@@ -115,6 +117,10 @@ class Trainer:
         self.eta = effective_eta(cfg)
         self.B = cfg.rollout.prompts_per_update
         self.n = cfg.rollout.group_size
+        self.core_split = None
+        if cfg.trainer.pin_cores:  # before jax.devices(): XLA sizes its pool from the mask
+            self.core_split = split_of(cfg.trainer)
+            pin_learner(self.core_split.learner)
         m = cfg.learner.mesh
         n_dev = m.data * m.fsdp * m.tensor
         if n_dev > len(jax.devices()):
@@ -192,13 +198,88 @@ class Trainer:
     def make_engine(self):
         """The rollout engine of the config, serving the learner's current weights."""
         if self.cfg.rollout.engine == "vllm":
-            raise NotImplementedError("rollout.engine=vllm is wired by the vLLM host integration")
+            return self.make_vllm_engine()
+        if self.core_split is not None:
+            if jax.default_backend() != "cpu":
+                raise C.ConfigError(
+                    f"trainer.pin_cores: true needs the CPU backend, got {jax.default_backend()!r}"
+                )
+            return ProcessEngine(
+                self.learner.model,
+                version=self.learner.version,
+                cores=self.core_split.rollout,
+                max_batch=self.cfg.rollout.batch_size,
+                deadline_s=self.cfg.trainer.deadline_s,
+            )
         return JaxEngine(
             self.learner.model,
             version=self.learner.version,
             max_batch=self.cfg.rollout.batch_size,
             deadline_s=self.cfg.trainer.deadline_s,
         )
+
+    def make_jax_engine(self):
+        """An in-process JAX sampler on the learner's current weights (evaluation)."""
+        return JaxEngine(self.learner.model, version=self.learner.version,
+                         max_batch=self.cfg.rollout.batch_size,
+                         deadline_s=self.cfg.trainer.deadline_s)
+
+    def make_vllm_engine(self):
+        """vLLM hosts serving the learner's current weights, published by the parameter server.
+
+        Launches rollout.vllm.num_hosts servers on this machine, or connects to rollout.vllm.urls
+        (which must serve a model of the same shape; they are reloaded to version v at once).
+        """
+        from rl.param_server import ParamServer
+        from rl.rollout.vllm import VLLMEngine, VLLMHost
+
+        v = self.cfg.rollout.vllm
+        self.param_server = ParamServer(
+            os.path.join(self.run_dir, "weights"), self.learner.model.config,
+            tokenizer_dir=self.tok_dir, keep=3,
+            hf_overrides={"eos_token_id": self.tokenizer.eos_id,
+                          "pad_token_id": self.tokenizer.pad_id},
+        )
+        version = self.learner.version
+        path, _ = self.param_server.write(version, self.learner.params())
+        if v.urls:
+            hosts = [VLLMHost.connect(u) for u in v.urls]
+        else:
+            hosts = []
+            for i in range(v.num_hosts):
+                hosts.append(VLLMHost.launch(
+                    path, log_path=os.path.join(self.run_dir, "logs", f"vllm-{i}.log"),
+                    host=v.host, enforce_eager=v.enforce_eager, seed=self.cfg.seed + i,
+                    extra_args=v.extra_args,
+                ))
+            try:
+                for h in hosts:
+                    h.wait_ready(v.ready_timeout_s)
+            except BaseException:
+                for h in hosts:
+                    h.stop()
+                raise
+        engine = VLLMEngine(hosts, version=version, update_mode=self.cfg.trainer.partial,
+                            request_timeout_s=v.request_timeout_s,
+                            deadline_s=self.cfg.trainer.deadline_s, owns_hosts=not v.urls)
+        if v.urls:
+            engine.update_weights(version, path=path)
+        self.param_server.engine_versions["vllm"] = version
+        return engine
+
+    def publish(self, engine, version: int) -> float:
+        """Moves the rollout engine to the learner's weights at `version`; returns seconds."""
+        t0 = time.perf_counter()
+        if self.cfg.rollout.engine == "vllm":
+            result = self.param_server.publish(version, {"vllm": engine},
+                                               params=self.learner.params())
+            if result.errors:
+                raise RuntimeError(f"weight publication of version {version} failed: "
+                                   f"{result.errors}")
+        else:
+            engine.update_weights(version, params=self.learner.params(),
+                                  interrupt=self.cfg.trainer.partial == "continue")
+        return time.perf_counter() - t0
 
     # -- supervised warm start ------------------------------------------------------------
     def demo_episode(self, problem) -> Episode:
@@ -348,7 +429,7 @@ class Trainer:
             )
         start_version = self.learner.version
         engine = self.make_engine()
-        eval_engine = engine if cfg.rollout.engine == "jax" else self.make_engine()
+        eval_engine = engine if cfg.rollout.engine == "jax" else self.make_jax_engine()
         if not resumed:
             ev = self.evaluate(eval_engine)
             summary["eval/accuracy_start"] = ev["eval/accuracy"]
@@ -414,14 +495,8 @@ class Trainer:
                     new_version % cfg.trainer.sync_every == 0
                     or new_version == cfg.trainer.total_updates
                 ):
-                    ts = time.perf_counter()
-                    engine.update_weights(
-                        new_version,
-                        params=self.learner.params(),
-                        interrupt=cfg.trainer.partial == "continue",
-                    )
+                    t_sync = self.publish(engine, new_version)
                     coord.publish(new_version)
-                    t_sync = time.perf_counter() - ts
                 row = self._update_metrics(
                     groups, batch, met, version, t_wait, t_sync, stats, last, buffer, coord
                 )
@@ -443,6 +518,7 @@ class Trainer:
             coord.stop()
             engine.abort()
             worker.join(timeout=60)
+            engine.close()
             self.writer.close()
             self.ckpt.close()
         summary["time/total"] = time.perf_counter() - t_start
