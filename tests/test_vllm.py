@@ -181,7 +181,9 @@ def cluster(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vllm"))
     tok_dir = build_tokenizer(os.path.join(root, "tokenizer"))
     sides = {}
-    for name, tied, cpus in (("tied", True, "0"), ("untied", False, "1")):
+    cores = sorted(os.sched_getaffinity(0))
+    pins = [str(c) for c in cores[:2]] if len(cores) >= 2 else [None, None]  # a core each
+    for name, tied, cpus in (("tied", True, pins[0]), ("untied", False, pins[1])):
         model = make_model(tied, seed=1 if tied else 2)
         weights_root = os.path.join(root, name, "weights")
         path0 = publish(model, weights_root, 0, tok_dir)

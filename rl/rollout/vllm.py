@@ -420,12 +420,13 @@ class VLLMEngine:
             return {st.host.url: st.inflight for st in self._hosts}
 
     def health(self) -> dict[str, bool]:
-        """Probes every host; a host is healthy if /health answers and it serves self.version."""
+        """Probes every host; healthy = /health answers and it serves self.version (or newer)."""
         out = {}
         for st in self._hosts:
             ok = st.host.is_healthy()
             with self._cond:
-                st.healthy = ok and st.version == self.version
+                # A host that failed an update stays out; one already on a newer version is in.
+                st.healthy = ok and st.version >= self.version
                 out[st.host.url] = st.healthy
                 self._cond.notify_all()
         return out
@@ -482,14 +483,12 @@ class VLLMEngine:
         finish = "length"
         segment = 0
         while len(tokens) < params.max_new_tokens:
-            st = self._acquire_host(req.request_id, call, errors)
-            if st is None:
+            rid = f"{req.request_id}-{segment}-{uuid.uuid4().hex[:8]}"
+            acquired = self._acquire_host(req.request_id, rid, call, errors)
+            if acquired is None:
                 finish = "abort"
                 break
-            rid = f"{req.request_id}-{segment}-{uuid.uuid4().hex[:8]}"
-            with self._cond:
-                version, epoch = st.version, st.update_epoch
-                call.inflight[rid] = st.host
+            st, version, epoch = acquired
             try:
                 seg = self._complete(
                     st.host,
@@ -536,8 +535,11 @@ class VLLMEngine:
             finish_reason=finish,
         )
 
-    def _acquire_host(self, request_id: str, call: _Call, errors: list[str]) -> _HostState | None:
-        """The least-loaded open healthy host (one inflight slot taken), or None if stopped."""
+    def _acquire_host(
+        self, request_id: str, rid: str, call: _Call, errors: list[str]
+    ) -> tuple[_HostState, int, int] | None:
+        """The least-loaded open healthy host with its version and update epoch (one in-flight
+        slot taken, atomically with reading them), or None if the call was stopped."""
         with self._cond:
             while True:
                 if self._abort_epoch != call.abort_epoch or call.failed:
@@ -556,7 +558,8 @@ class VLLMEngine:
                         (ready[(self._rr + i) % n] for i in range(n)), key=lambda s: s.inflight
                     )
                     st.inflight += 1
-                    return st
+                    call.inflight[rid] = st.host
+                    return st, st.version, st.update_epoch
                 remaining = call.end - time.monotonic()
                 if remaining <= 0:
                     state = f"paused ({self._paused})" if self._paused else "updating weights"
@@ -681,9 +684,12 @@ class VLLMEngine:
             self._paused = mode
         if mode == "abort":
             self._abort_hosts(timeout_s=self.update_timeout_s)
-        elif mode == "wait":
-            self._wait_idle(self._hosts, self.update_timeout_s)
-        else:
+        elif mode == "wait" and not self._wait_idle(self._hosts, self.update_timeout_s):
+            raise VLLMError(
+                f"pause('wait'): requests still in flight after {self.update_timeout_s} s: "
+                f"{self.inflight()}"
+            )
+        elif mode == "keep":
             for st in self._hosts:
                 self._post(st.host, "/pause?mode=keep")
 
@@ -709,7 +715,12 @@ class VLLMEngine:
     # -- weights -------------------------------------------------------------------------------
 
     def update_weights(self, version: int, path: str | None = None, params=None) -> None:
-        """Reloads every host from the published HF dir `path` and serves it as `version`."""
+        """Reloads every host from the published HF dir `path` and serves it as `version`.
+
+        Raises VLLMError (hosts untouched) if the directory fails verify_weights_dir, or if no
+        host loaded it; a host that fails alone is marked unhealthy and left out of dispatch.
+        While paused with 'keep', in-flight requests are aborted (never drained) first.
+        """
         if params is not None or path is None:
             raise ValueError(
                 "VLLMEngine reloads from a published HF directory: pass path= (an in-memory "
@@ -778,9 +789,15 @@ class VLLMEngine:
                 {"method": "reload_weights", "kwargs": {"weights_path": path}},
             )
             if tied:
-                out = self._post(
-                    host, "/collective_rpc", {"method": "tandem_retie_word_embeddings"}
-                )
+                try:
+                    out = self._post(
+                        host, "/collective_rpc", {"method": "tandem_retie_word_embeddings"}
+                    )
+                except VLLMError as e:
+                    raise VLLMError(
+                        f"{e}\n(a tied-embedding model needs the server started with "
+                        f"--worker-extension-cls {WORKER_EXTENSION}; VLLMHost.launch does that)"
+                    ) from None
                 results = (out or {}).get("results", [])
                 if not results or not all(r.get("shared") for r in results if r.get("tied")):
                     raise VLLMError(

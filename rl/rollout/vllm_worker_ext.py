@@ -37,12 +37,3 @@ class TandemWorkerExtension:
             lm_head.weight = embed.weight
             lm_head.quant_method.process_weights_after_loading(lm_head)
         return {"tied": True, "shared": lm_head.weight is embed.weight}
-
-    def tandem_weight_probe(self) -> dict:
-        """Sum and abs-sum of embed_tokens and lm_head weights (a cheap reload check)."""
-        model = self.model_runner.get_model()
-        out = {}
-        for name, param in model.named_parameters():
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                out[name] = [float(param.double().sum()), float(param.double().abs().sum())]
-        return out
