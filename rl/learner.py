@@ -319,8 +319,10 @@ class Learner:
     def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
         """One policy update on a batch (split into `minibatches` optimizer steps)."""
         t0 = time.perf_counter()
-        segment_ids = batch.segment_ids if isinstance(batch, TrainBatch) else batch["segment_ids"]
-        if np.max(segment_ids) > 1 and not _token_level(self.step_cfg):
+        arrays_in = batch.arrays() if isinstance(batch, TrainBatch) else batch
+        segment_ids = arrays_in.get("segment_ids")  # absent: unpacked rows, no segment mask
+        packed = segment_ids is not None and np.max(segment_ids) > 1
+        if packed and not _token_level(self.step_cfg):
             c = self.step_cfg
             raise ValueError(
                 f"a packed batch (rows hold several sequences) needs a token-level loss, got "
