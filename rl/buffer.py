@@ -38,7 +38,10 @@ class GroupBuffer:
         # groups are trained (they add no gradient) instead of searching forever.
         self.max_filtered_factor = max_filtered_factor
         self.groups: dict[int, EpisodeGroup] = {}
-        self.next_group = start_group  # keep: the next group number the learner consumes
+        # Every group numbered below next_group was consumed (trained, filtered or dropped); with
+        # "drop" (completion order) `consumed` holds the consumed numbers above it.
+        self.next_group = start_group
+        self.consumed: set[int] = set()
         self.counts = {"filtered": 0, "dropped": 0, "trained": 0, "finished": 0}
         self._finished_stats: list[tuple[float, float]] = []  # (mean length, mean reward)
         self._trained_stats: list[tuple[float, float]] = []
@@ -48,8 +51,9 @@ class GroupBuffer:
     def put(self, group: EpisodeGroup) -> None:
         """Adds a complete group (every rollout of its prompt)."""
         with self._cond:
-            if group.group_id in self.groups:
-                raise ValueError(f"group {group.group_id} was already delivered")
+            gid = group.group_id
+            if gid in self.groups or gid < self.next_group or gid in self.consumed:
+                raise ValueError(f"group {gid} was already delivered")
             self.groups[group.group_id] = group
             self.counts["finished"] += 1
             self._finished_stats.append(_stats(group))
@@ -74,6 +78,10 @@ class GroupBuffer:
         while self.groups:
             gid = min(self.groups, key=lambda i: (self.groups[i].min_version, i))
             g = self.groups.pop(gid)
+            self.consumed.add(gid)
+            while self.next_group in self.consumed:
+                self.consumed.remove(self.next_group)
+                self.next_group += 1
             if version - g.min_version > eta:
                 self.counts["dropped"] += 1
                 self.coord.free(1)
@@ -106,7 +114,7 @@ class GroupBuffer:
                     raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
                 if not ok:
                     raise DeadlineError(
-                        f"learner waited {timeout:.0f}s for group {self.next_group} "
+                        f"learner waited {timeout:g}s for group {self.next_group} "
                         f"(have {len(out)}/{n_groups} for version {version}; buffered "
                         f"{sorted(self.groups)[:8]}); are the rollout workers alive?"
                     )
@@ -128,6 +136,7 @@ class GroupBuffer:
         with self._cond:
             return {
                 "next_group": self.next_group,
+                "consumed": sorted(self.consumed),
                 "groups": dict(self.groups),
                 "counts": dict(self.counts),
             }

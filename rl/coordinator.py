@@ -73,7 +73,7 @@ class Coordinator:
                 return []
             if not ok:
                 raise DeadlineError(
-                    f"rollout waited {timeout:.0f}s for admission: published version "
+                    f"rollout waited {timeout:g}s for admission: published version "
                     f"{self.published_version}, {self.next_group} groups dispatched, bound "
                     f"(eta={self.eta} + v + 1) * {self.B}; is the learner stuck?"
                 )
