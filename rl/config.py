@@ -51,7 +51,9 @@ class ModelSection:
 
 @dataclasses.dataclass
 class TaskSection:
-    name: Literal["arithmetic", "countdown", "calculator"] = F("arithmetic", "task to train on")
+    name: Literal["arithmetic", "countdown", "calculator", "longtail"] = F(
+        "arithmetic", "task to train on (longtail: synthetic long-tailed lengths, for benchmarks)"
+    )
     seed: int = F(0, "seed of the task's problem generator (train/eval splits are disjoint)")
     num_eval: int = F(256, "held-out problems evaluated every eval_every updates")
     options: dict[str, Any] = F({}, "task-specific keyword arguments (e.g. digits for arithmetic)")
@@ -162,6 +164,10 @@ class TrainerSection:
     transport: Literal["local", "ray"] = F("local", "how rollout and learner talk")
     pin_cores: bool = F(
         False, "CPU: run rollout and learner in processes pinned to their own cores"
+    )
+    rollout_cores: list[int] = F([0], "pin_cores: CPU cores of the rollout process")
+    learner_cores: list[int] = F(
+        [], "pin_cores: CPU cores of the learner process; empty = every core not for rollout"
     )
     eval_every: int = F(
         10, "evaluate on the held-out split every this many updates (0 = start/end)"
@@ -329,6 +335,13 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.max_staleness: invalid value {cfg.trainer.max_staleness} with trainer.mode "
             "'one_step_off' (valid: 1); use mode 'async' for larger bounds"
+        )
+    eta = {"sync": 0, "one_step_off": 1}.get(cfg.trainer.mode, cfg.trainer.max_staleness)
+    if cfg.trainer.sync_every - 1 > eta:
+        raise ConfigError(
+            f"trainer.sync_every: invalid value {cfg.trainer.sync_every} with staleness bound "
+            f"{eta} (trainer.mode {cfg.trainer.mode!r}): weights published every k updates are "
+            f"up to k-1 versions stale, so sync_every must be <= {eta + 1}"
         )
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
