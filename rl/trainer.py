@@ -409,6 +409,7 @@ class Trainer:
             "dispatched": coord.state()["next_group"],
             "freed": coord.freed,
             "counts": bstate["counts"],
+            "consumed": bstate.get("consumed", []),
             **extra,
         }
         self.ckpt.save(step, self.learner.state, meta, bstate["groups"])
@@ -451,19 +452,20 @@ class Trainer:
             start_group=meta["next_group"],
         )
         buffer.counts.update(meta.get("counts", {}))
-        # Finished groups from the checkpoint come back; what was in flight is dispatched again.
+        # Finished groups from the checkpoint come back; what was in flight is dispatched again
+        # (never a group already consumed: trained, filtered or dropped).
+        buffer.consumed = set(meta.get("consumed", []))
         for g in self.resume_groups.values():
             buffer.groups[g.group_id] = g
-        if self.resume_groups:
-            coord.next_group = max(meta["dispatched"], max(self.resume_groups) + 1)
+        if resumed:
+            coord.next_group = max(
+                meta["dispatched"], meta["next_group"], max(self.resume_groups, default=-1) + 1
+            )
             coord.retry.extend(
                 i
                 for i in range(meta["next_group"], coord.next_group)
-                if i not in self.resume_groups
+                if i not in self.resume_groups and i not in buffer.consumed
             )
-        elif resumed:
-            coord.retry.extend(range(meta["next_group"], meta["dispatched"]))
-            coord.next_group = max(meta["dispatched"], meta["next_group"])
         coord.publish(start_version)
         stats = {"generate_time": 0.0, "tokens": 0}
         worker = threading.Thread(
