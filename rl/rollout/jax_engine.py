@@ -9,7 +9,6 @@ request's output does not depend on what it was batched with.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import zlib
@@ -64,12 +63,11 @@ def _sample(x_BV, keys_B2, temperature_B):
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
 
-@dataclasses.dataclass
-class _Batch:
-    requests: list[GenerationRequest]
-    B: int
-    Tp: int
-    N: int
+def _key_data(seed: int) -> np.ndarray:
+    """uint32 [2] threefry key of an integer seed: jax.random.PRNGKey(seed) for 0 <= seed < 2**32,
+    and all 64 bits of larger seeds (PRNGKey keeps only 32 of them without x64)."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
 
 
 class JaxEngine:
@@ -186,7 +184,7 @@ class JaxEngine:
 
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
-        """Makes in-flight and later generate() calls return at a chunk boundary, until resume()."""
+        """Ends in-flight generate() calls at a chunk boundary, later ones at once; see resume()."""
         self._abort.set()
 
     def resume(self) -> None:
@@ -231,7 +229,7 @@ class JaxEngine:
             for r in reqs
         ]
         keys = np.zeros((B, 2), np.uint32)
-        keys[:n] = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds])
+        keys[:n] = [_key_data(s) for s in seeds]
         # Each row stops on its own request's tokens only (-1 pads; a token id is never -1).
         n_stop = max([len(r.params.stop_token_ids) for r in reqs] + [1])
         stop_BS = np.full((B, _bucket(n_stop, (4, 8, 16, 64))), -1, np.int32)
@@ -244,6 +242,12 @@ class JaxEngine:
                     f"JaxEngine: weight update still pending after {self.deadline_s}s"
                 )
         with self._lock:
+            if self._abort.is_set():  # aborted before it started: nothing generated
+                empty = np.zeros(0, np.int32)
+                return [
+                    Generation(r.request_id, empty, np.zeros(0, np.float32), empty, "abort")
+                    for r in reqs
+                ]
             return self._generate_locked(
                 reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
             )
