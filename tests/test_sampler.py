@@ -17,7 +17,7 @@ from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
 from rl.rollout.base import GenerationRequest, SamplingParams
-from rl.rollout.jax_engine import JaxEngine, _sample, process_logits
+from rl.rollout.jax_engine import JaxEngine, _key_data, _sample, process_logits
 from rl.tasks import ArithmeticTask
 from rl.types import Episode
 
@@ -190,6 +190,18 @@ def test_request_output_independent_of_batch(engine):
     reseeded = SamplingParams(max_new_tokens=14, temperature=1.0, seed=4321)
     other_seed = engine.generate([GenerationRequest("t", target.prompt_ids, reseeded)])[0]
     assert not np.array_equal(other_seed.token_ids, alone.token_ids)
+    # Seeds beyond 32 bits stay distinct (jax.random.PRNGKey keeps 32 bits without x64).
+    big = [_req(f"s{k}", target.prompt_ids, max_new_tokens=14, seed=2**40 + k) for k in (0, 2**32)]
+    g0, g1 = engine.generate(big)
+    assert not np.array_equal(g0.token_ids, g1.token_ids)
+
+
+def test_seed_keys_are_jax_prng_keys():
+    for s in (0, 1, 1234, 2**31 - 1, 2**32 - 1):
+        np.testing.assert_array_equal(
+            _key_data(s), np.asarray(jax.random.key_data(jax.random.PRNGKey(s)))
+        )
+    assert not np.array_equal(_key_data(2**40), _key_data(2**41))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +367,8 @@ def test_abort_from_another_thread_returns_partial(engine):
             assert g.finish_reason == "abort"
             assert len(g.token_ids) == 1 + 4  # the prefill token and one decode chunk
             assert len(g.logprobs) == len(g.versions) == 5 and (g.versions == 0).all()
+        later = engine.generate(reqs)  # until resume(), later calls return at once, empty
+        assert all(g.finish_reason == "abort" and len(g.token_ids) == 0 for g in later)
     finally:
         engine.resume()
     full = engine.generate(reqs)
