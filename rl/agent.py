@@ -46,6 +46,12 @@ def stop_ids(task, tokenizer) -> tuple[int, ...]:
     return tuple(int(i) for i in ids if i is not None)
 
 
+def _budget(problem: Problem, params: SamplingParams) -> int:
+    """A turn's token budget: problem.meta["max_new_tokens"] if set, at most the params'."""
+    cap = params.max_new_tokens
+    return min(int(problem.meta.get("max_new_tokens", cap)), cap)
+
+
 def run_episodes(
     engine: Engine,
     task,
@@ -56,7 +62,12 @@ def run_episodes(
     seeds: list[int] | None = None,
     max_aborts: int = 16,
 ) -> list[Episode]:
-    """One episode per problem (repeat a problem n times for a group), all turns batched."""
+    """One episode per problem (repeat a problem n times for a group), all turns batched.
+
+    Per-problem overrides in problem.meta: "max_new_tokens" (the turn budget, capped by
+    params.max_new_tokens, which sizes the learner's rows) and "ignore_eos" (True: no stop
+    tokens, the turn runs to its budget; synthetic length workloads).
+    """
     stops = stop_ids(task, tokenizer)
     params = dataclasses.replace(params, stop_token_ids=stops)
     drafts = []
@@ -71,7 +82,7 @@ def run_episodes(
                 [0.0] * len(ids),
                 [-1] * len(ids),
                 len(ids),
-                turn_budget=params.max_new_tokens,
+                turn_budget=_budget(p, params),
             )
         )
     max_turns = getattr(task, "max_turns", 1)
@@ -86,6 +97,7 @@ def run_episodes(
                 dataclasses.replace(
                     params,
                     max_new_tokens=d.turn_budget,
+                    stop_token_ids=() if d.problem.meta.get("ignore_eos") else stops,
                     seed=None
                     if params.temperature == 0
                     else (d.seed * 1000003 + d.turn * 1009 + d.aborts * 7919 + len(d.tokens))
@@ -122,7 +134,7 @@ def run_episodes(
             d.mask += [0] * len(obs_ids)
             d.logp += [0.0] * len(obs_ids)
             d.versions += [-1] * len(obs_ids)
-            d.turn_budget = params.max_new_tokens
+            d.turn_budget = _budget(d.problem, params)
     episodes = []
     for d in drafts:
         text = tokenizer.decode(d.tokens[d.prompt_len :])

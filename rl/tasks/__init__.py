@@ -8,14 +8,16 @@ from rl.tasks.arithmetic import ArithmeticTask
 from rl.tasks.base import Problem, RewardResult
 from rl.tasks.calculator import CalculatorTask
 from rl.tasks.countdown import CountdownTask
+from rl.tasks.longtail import LongTailTask
 
-TASKS = {t.name: t for t in (ArithmeticTask, CountdownTask, CalculatorTask)}
+TASKS = {t.name: t for t in (ArithmeticTask, CountdownTask, CalculatorTask, LongTailTask)}
 
 __all__ = [
     "TASKS",
     "ArithmeticTask",
     "CalculatorTask",
     "CountdownTask",
+    "LongTailTask",
     "Problem",
     "RewardResult",
     "get_task",

@@ -1,0 +1,272 @@
+"""python -m launch.bench async: the real trainer, synchronous vs fully async, same samples.
+
+Both runs use one config (tiny model, the long-tailed synthetic task `longtail`, no supervised
+stage, trainer.pin_cores: the rollout engine in a child process pinned to --rollout-cores, this
+learner process pinned to the remaining cores), so they compare like with like. The sync run
+(eta 0) gives
+  G  generation busy time, measured inside the rollout process (union of generate calls), and
+  T  learner busy time: train step + weight sync (timing/train_step + timing/weight_sync),
+and the ideal async bound (G + T) / max(G, T): generation and training fully overlapped.
+The async run uses max_staleness --eta and the --partial policy (drain, continue, or both).
+
+Timing is steady state: the first W = eta + 1 updates (compilation, pipeline fill) are
+excluded in every run, and sync_s / async_s is the wall time from the completion of update W
+to the completion of update W + K (K = --updates), so each covers K updates of
+prompts * group samples. G and T are summed over the same window of the sync run. Before each
+run the rollout process compiles every generation-length bucket of the task, so a rare long
+batch does not compile inside the window. The final update (with its evaluation) is outside.
+
+Prints per-run figures, then `RESULT sync_s=... async_s=... speedup=... ideal=...
+frac_of_ideal=...` (the first --partial policy; the others add suffixed keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+from rl.transport import core_split, pin_learner
+
+
+@dataclasses.dataclass
+class RunTiming:
+    """One trainer run's steady-state figures over its timed window of K updates."""
+
+    mode: str
+    partial: str
+    wall_s: float  # window wall time
+    gen_busy_s: float  # rollout process generation busy time in the window
+    train_s: float  # sum of timing/train_step in the window
+    sync_s: float  # sum of timing/weight_sync in the window
+    wait_s: float  # sum of timing/wait_data (learner idle for data) in the window
+    total_s: float  # the whole RL loop, fill and final update included
+    staleness_max: float
+    partial_ratio: float
+    weight_transfer_s: float  # mean ProcessEngine.update_weights total (flatten+send+install)
+
+
+def _overrides(args, mode: str, partial: str) -> list[str]:
+    ppu, group = args.prompts, args.group
+    return [
+        f"name=bench-async-{mode}-{partial}",
+        "model.preset=tiny",
+        "task.name=longtail",
+        f"task.num_eval={args.num_eval}",
+        f"task.options={{min_tokens: {args.min_tokens}, max_tokens: {args.max_tokens}, "
+        f"alpha: {args.alpha}}}",
+        "sft.steps=0",
+        f"rollout.group_size={group}",
+        f"rollout.prompts_per_update={ppu}",
+        f"rollout.max_new_tokens={args.max_tokens}",
+        f"rollout.batch_size={ppu * group}",
+        "algorithm.filter_zero_advantage=false",
+        f"learner.minibatches={args.minibatches}",
+        f"trainer.mode={mode}",
+        f"trainer.max_staleness={0 if mode == 'sync' else args.eta}",
+        f"trainer.partial={partial}",
+        f"trainer.total_updates={args.warmup + args.updates + 1}",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=0",
+        "trainer.pin_cores=true",
+        f"trainer.rollout_cores={json.dumps(args.rollout_cores)}",
+        f"trainer.learner_cores={json.dumps(args.learner_cores)}",
+        f"trainer.deadline_s={args.deadline}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.save_episodes=0",
+    ]
+
+
+def _warm_engine(engine, trainer, args) -> None:
+    """Compiles the generation programs of every length bucket the task can produce."""
+    import numpy as np
+
+    from rl.rollout.base import GenerationRequest, SamplingParams
+    from rl.rollout.jax_engine import LEN_BUCKETS, _bucket
+
+    prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
+    rows = args.prompts * args.group
+    lo = _bucket(args.min_tokens, LEN_BUCKETS)
+    hi = _bucket(args.max_tokens, LEN_BUCKETS)
+    prev = 0
+    for b in LEN_BUCKETS:
+        if lo <= b <= hi:
+            longest = min(prev + 1, args.max_tokens) if prev else min(b, args.max_tokens)
+            reqs = [
+                GenerationRequest(
+                    f"warm-{b}-{i}",
+                    prompt,
+                    SamplingParams(max_new_tokens=longest if i == 0 else 1, seed=i),
+                )
+                for i in range(rows)
+            ]
+            engine.generate(reqs)
+        prev = b
+
+
+def run_once(args, mode: str, partial: str, run_root: str) -> RunTiming:
+    """Runs the real trainer in one mode; returns its steady-state window figures."""
+    from rl import config as C
+    from rl.trainer import Trainer
+
+    cfg = C.load(None, _overrides(args, mode, partial) + [f"run_root={run_root}"])
+    trainer = Trainer(cfg)
+    engines: list = []
+    make_engine = trainer.make_engine
+
+    def make_and_warm():
+        engine = make_engine()
+        engines.append(engine)
+        _warm_engine(engine, trainer, args)
+        return engine
+
+    trainer.make_engine = make_and_warm
+    snaps: dict[int, dict] = {}
+    log = trainer.writer.log
+
+    def log_with_busy(step, version, row):  # the child's counters as of this update's sync
+        if engines:
+            now = time.perf_counter()
+            snaps[step] = dict(engines[0].refresh_stats(), now=now)
+        return log(step, version, row)
+
+    trainer.writer.log = log_with_busy
+    summary = trainer.run()
+    rows = {}
+    with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            rows[r["step"]] = r
+    w0, w1 = args.warmup, args.warmup + args.updates
+    window = [rows[v] for v in range(w0 + 1, w1 + 1)]
+    sync_times = engines[0].sync_times if engines else []
+    return RunTiming(
+        mode=mode,
+        partial=partial,
+        wall_s=snaps[w1]["now"] - snaps[w0]["now"],
+        gen_busy_s=snaps[w1]["busy_s"] - snaps[w0]["busy_s"],
+        train_s=sum(r["timing/train_step"] for r in window),
+        sync_s=sum(r["timing/weight_sync"] for r in window),
+        wait_s=sum(r["timing/wait_data"] for r in window),
+        total_s=summary["time/total"],
+        staleness_max=max(r.get("staleness/max", 0.0) for r in window),
+        partial_ratio=sum(r["partial/ratio"] for r in window) / len(window),
+        weight_transfer_s=(
+            sum(s["total_s"] for s in sync_times) / len(sync_times) if sync_times else 0.0
+        ),
+    )
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def _print_run(t: RunTiming, load: str) -> None:
+    print(
+        f"{t.mode:5s} partial={t.partial:8s} window={t.wall_s:7.2f}s  "
+        f"gen_busy={t.gen_busy_s:6.2f}s "
+        f"train={t.train_s:6.2f}s weight_sync={t.sync_s:5.2f}s learner_wait={t.wait_s:6.2f}s  "
+        f"rollout_util={t.gen_busy_s / t.wall_s:4.0%} learner_util="
+        f"{(t.train_s + t.sync_s) / t.wall_s:4.0%}  staleness_max={t.staleness_max:.0f} "
+        f"partial_ratio={t.partial_ratio:.2f} transfer={t.weight_transfer_s * 1e3:.1f}ms "
+        f"total={t.total_s:.1f}s  load=[{load}]",
+        flush=True,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m launch.bench async", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--updates", type=int, default=12, help="timed updates K per run")
+    p.add_argument("--prompts", type=int, default=8, help="prompts (groups) per update")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--eta", type=int, default=2, help="max_staleness of the async run")
+    p.add_argument(
+        "--partial", default="drain", help="async in-flight policy: drain, continue or both"
+    )
+    p.add_argument("--transport", default="local", choices=("local",))
+    p.add_argument("--min-tokens", type=int, default=16, help="shortest generation budget")
+    p.add_argument("--max-tokens", type=int, default=128, help="longest generation budget")
+    p.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index of the budgets")
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per update")
+    p.add_argument("--num-eval", type=int, default=8, help="held-out problems (start/end eval)")
+    p.add_argument("--rollout-cores", type=int, nargs="+", default=[0])
+    p.add_argument("--learner-cores", type=int, nargs="*", default=[])
+    p.add_argument("--deadline", type=float, default=600.0, help="trainer.deadline_s")
+    p.add_argument("--run-root", help="where run directories go (default: a temp dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs sync then async on the same workload; prints the figures and a RESULT line."""
+    args = _parser().parse_args(argv)
+    partials = ["drain", "continue"] if args.partial == "both" else [args.partial]
+    if any(x not in ("drain", "continue") for x in partials):
+        print(f"--partial={args.partial!r}: valid: drain, continue, both", file=sys.stderr)
+        return 2
+    for name in ("updates", "prompts", "group", "min_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.group < 2 or args.eta < 0:
+        print("--group must be >= 2 and --eta >= 0", file=sys.stderr)
+        return 2
+    args.warmup = args.eta + 1
+    # Before anything initialises JAX's backend (XLA sizes its thread pool from the mask).
+    split = core_split(args.rollout_cores, args.learner_cores)
+    pin_learner(split.learner)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print(
+        f"async bench: tiny model, longtail budgets Pareto({args.alpha}) in "
+        f"[{args.min_tokens}, {args.max_tokens}], {args.prompts} prompts x {args.group} samples "
+        f"per update, K={args.updates} timed updates after W={args.warmup}; rollout cores "
+        f"{list(split.rollout)}, learner cores {list(split.learner)}; eta={args.eta}",
+        flush=True,
+    )
+    run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")
+    load = _loadavg()
+    sync = run_once(args, "sync", "drain", run_root)
+    _print_run(sync, load)
+    G, T = sync.gen_busy_s, sync.train_s + sync.sync_s
+    ideal = (G + T) / max(G, T)
+    print(
+        f"sync: G={G:.2f}s T={T:.2f}s (G/T={G / T:.2f}), other={sync.wall_s - G - T:.2f}s, "
+        f"ideal async bound (G+T)/max(G,T)={ideal:.3f}",
+        flush=True,
+    )
+    result = {"sync_s": sync.wall_s}
+    for i, partial in enumerate(partials):
+        load = _loadavg()
+        a = run_once(args, "async", partial, run_root)
+        _print_run(a, load)
+        speedup = sync.wall_s / a.wall_s
+        print(
+            f"async ({partial}): {a.wall_s:.2f}s vs sync {sync.wall_s:.2f}s: speedup "
+            f"{speedup:.3f}, ideal {ideal:.3f}, {speedup / ideal:.1%} of ideal",
+            flush=True,
+        )
+        sfx = "" if i == 0 else f"_{partial}"
+        result.update(
+            {
+                f"async_s{sfx}": a.wall_s,
+                f"speedup{sfx}": speedup,
+                **({"ideal": ideal} if i == 0 else {}),
+                f"frac_of_ideal{sfx}": speedup / ideal,
+            }
+        )
+    result.update(G_s=G, T_s=T, load1=float(_loadavg().split()[0]))
+    print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

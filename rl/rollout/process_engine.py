@@ -1,0 +1,405 @@
+"""A JaxEngine in a child process pinned to its own CPU cores (the local transport's rollout).
+
+On a CPU host a sampler and a train step in threads of one process barely overlap (each alone
+spreads over every core through XLA's thread pool); in two processes pinned to disjoint cores
+they overlap fully. `ProcessEngine` implements the Engine protocol by running a `JaxEngine` in
+a `spawn`ed child that pins itself (os.sched_setaffinity) and sets its XLA flags BEFORE it
+imports JAX. Messages are pickled numpy over a pipe:
+
+  parent -> child   ("generate", id, [GenerationRequest])   -> (id, ok, [Generation], stats)
+                    ("update", id, (version, path, {name: array}, interrupt)) -> (id, ok, secs)
+                    ("abort" | "resume" | "close", id, None) -> (id, ok, None, stats)
+
+The child's main thread only receives; each generate runs in its own thread and weight updates
+run in order on one update thread, so an update (with `interrupt`) lands while a generate is in
+flight, exactly as with the in-process JaxEngine: `drain` waits for the running batch,
+`continue` makes it return 'abort' partials at the next chunk boundary. update_weights returns
+once the child serves the new version (then the coordinator may publish it).
+Every wait has a deadline; a child that dies raises RolloutProcessError naming it and its exit
+code. `stats` holds the child's own clock: generation busy time (the union of generate calls)
+and weight-install time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import queue
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from rl.rollout.base import Generation, GenerationRequest
+from rl.transport import one_core_xla_flags, pin_learner
+
+__all__ = ["ProcessEngine", "RolloutProcessError", "flat_params", "pin_learner"]
+
+
+class RolloutProcessError(RuntimeError):
+    """The rollout process died, failed a command, or did not answer within the deadline."""
+
+
+def flat_params(params) -> dict[str, np.ndarray]:
+    """An nnx.State / nnx.Module / pytree of params as {path: numpy array} (a host copy)."""
+    import jax
+    from flax import nnx
+
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    leaves = jax.tree.flatten_with_path(params)[0]
+    host = jax.device_get([x for _, x in leaves])
+    return {jax.tree_util.keystr(p): np.asarray(x) for (p, _), x in zip(leaves, host)}
+
+
+def _fill(template, flat: dict[str, np.ndarray]):
+    """`template` (a params pytree) with its leaves replaced by flat[path]; names must match."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten_with_path(template)
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    missing = sorted(set(names) - set(flat))
+    extra = sorted(set(flat) - set(names))
+    if missing or extra:
+        raise ValueError(f"params do not match the model: missing {missing[:4]}, extra {extra[:4]}")
+    out = []
+    for name, (_, old) in zip(names, leaves):
+        new = flat[name]
+        if tuple(new.shape) != tuple(old.shape):
+            raise ValueError(f"param {name}: shape {new.shape}, the model has {old.shape}")
+        out.append(new)
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The child process
+
+
+class _Busy:
+    """Wall time during which at least one generate call runs (the union of intervals)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = 0
+        self.since = 0.0
+        self.total = 0.0
+        self.calls = 0
+        self.tokens = 0
+
+    def enter(self):
+        with self.lock:
+            if self.active == 0:
+                self.since = time.perf_counter()
+            self.active += 1
+            self.calls += 1
+
+    def exit(self, tokens: int):
+        with self.lock:
+            self.active -= 1
+            self.tokens += tokens
+            if self.active == 0:
+                self.total += time.perf_counter() - self.since
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            now = self.total + (time.perf_counter() - self.since if self.active else 0.0)
+            return {"busy_s": now, "generate_calls": self.calls, "tokens": self.tokens}
+
+
+def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
+    """Entry point of the rollout process: pin, then import JAX, then serve commands."""
+    if cores:
+        os.sched_setaffinity(0, set(cores))  # before JAX sizes its thread pool
+    if xla_flags is not None:
+        os.environ["XLA_FLAGS"] = xla_flags
+    import jax
+    from flax import nnx
+
+    from models.transformer import Transformer
+    from rl.rollout.jax_engine import JaxEngine
+
+    send_lock = threading.Lock()
+    busy = _Busy()
+    install = {"install_s": 0.0, "updates": 0}
+
+    def send(*msg):
+        with send_lock:
+            conn.send(msg)
+
+    def stats() -> dict:
+        return {**busy.snapshot(), **install, "pid": os.getpid()}
+
+    try:
+        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        graphdef, template = nnx.split(abstract, nnx.Param)
+        device = jax.devices()[0]
+        params = jax.tree.map(lambda x: jax.device_put(x, device), _fill(template, flat))
+        engine = JaxEngine(nnx.merge(graphdef, params), version=version, **engine_kwargs)
+    except BaseException:  # noqa: BLE001 - the parent must hear why the child could not start
+        send("ready", False, traceback.format_exc(), None)
+        return
+    del flat
+    send("ready", True, {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}, None)
+
+    def generate(mid, requests):
+        busy.enter()
+        tokens = 0
+        try:
+            gens = engine.generate(requests)
+            tokens = sum(len(g.token_ids) for g in gens)
+        except BaseException:  # noqa: BLE001
+            busy.exit(0)
+            send(mid, False, traceback.format_exc(), stats())
+            return
+        busy.exit(tokens)
+        send(mid, True, gens, stats())
+
+    updates: queue.Queue = queue.Queue()
+
+    def update_loop():
+        while True:
+            item = updates.get()
+            if item is None:
+                return
+            mid, (v, path, new, interrupt) = item
+            t0 = time.perf_counter()
+            try:
+                tree = None if new is None else _fill(template, new)
+                engine.update_weights(v, path=path, params=tree, interrupt=interrupt)
+            except BaseException:  # noqa: BLE001
+                send(mid, False, traceback.format_exc(), stats())
+                continue
+            install["install_s"] += time.perf_counter() - t0
+            install["updates"] += 1
+            send(mid, True, time.perf_counter() - t0, stats())
+
+    updater = threading.Thread(target=update_loop, name="weights", daemon=True)
+    updater.start()
+    while True:
+        try:
+            kind, mid, payload = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if kind == "generate":
+            threading.Thread(target=generate, args=(mid, payload), daemon=True).start()
+        elif kind == "update":
+            updates.put((mid, payload))
+        elif kind == "abort":
+            engine.abort()
+            send(mid, True, None, stats())
+        elif kind == "resume":
+            engine.resume()
+            send(mid, True, None, stats())
+        elif kind == "stats":
+            send(mid, True, None, stats())
+        elif kind == "close":
+            engine.abort()
+            send(mid, True, None, stats())
+            break
+        else:
+            send(mid, False, f"unknown command {kind!r}", stats())
+    updates.put(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent side
+
+
+class _Pending:
+    __slots__ = ("event", "ok", "value")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.ok = False
+        self.value = None
+
+
+class ProcessEngine:
+    """Engine protocol over a JaxEngine running in a child process pinned to `cores`."""
+
+    def __init__(
+        self,
+        model=None,
+        *,
+        config=None,
+        params: dict[str, np.ndarray] | None = None,
+        version: int = 0,
+        cores: tuple[int, ...] | list[int] = (0,),
+        chunk: int = 16,
+        max_batch: int = 128,
+        deadline_s: float = 600.0,
+        xla_flags: str | None = None,
+        name: str = "rollout-0",
+    ):
+        if model is not None:
+            config, params = model.config, flat_params(model)
+        if config is None or params is None:
+            raise ValueError("ProcessEngine needs a model, or config= and params= (flat numpy)")
+        self.config = config
+        self.version = version
+        self.deadline_s = deadline_s
+        self.name = name
+        self.cores = tuple(cores)
+        if xla_flags is None:
+            xla_flags = os.environ.get("XLA_FLAGS", "")
+            if len(self.cores) == 1:
+                xla_flags = one_core_xla_flags(xla_flags)
+        self.stats: dict = {"busy_s": 0.0, "generate_calls": 0, "tokens": 0, "install_s": 0.0}
+        self.sync_times: list[dict] = []  # per update_weights: flatten, send, install, total
+        self._ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()  # guards _pending and sending
+        self._dead: str | None = None
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        kwargs = dict(chunk=chunk, max_batch=max_batch, deadline_s=deadline_s)
+        self.process = ctx.Process(
+            target=_child_main,
+            args=(child_conn, config, params, version, self.cores, kwargs, xla_flags),
+            name=name,
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self._ready = _Pending()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+        self._reader.start()
+        self._wait(self._ready, "start", deadline_s)
+        self.pid = self.process.pid
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _describe(self) -> str:
+        return f"rollout process {self.name!r} (pid {self.process.pid}, cores {list(self.cores)})"
+
+    def _read(self):
+        """Receives replies; on the child's death fails every waiter."""
+        while True:
+            try:
+                ready = mpc.wait([self._conn, self.process.sentinel])
+                if self._conn not in ready:
+                    raise EOFError
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "ready":
+                _, ok, value, _ = msg
+                self._ready.ok, self._ready.value = ok, value
+                self._ready.event.set()
+                continue
+            mid, ok, value, stats = msg
+            if stats:
+                self.stats = stats
+            with self._lock:
+                p = self._pending.pop(mid, None)
+            if p is not None:
+                p.ok, p.value = ok, value
+                p.event.set()
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        why = "closed" if self._closed else f"died (exit code {code})"
+        with self._lock:
+            self._dead = f"{self._describe()} {why}"
+            waiting = list(self._pending.values()) + [self._ready]
+            self._pending.clear()
+        for p in waiting:
+            p.event.set()
+
+    def _send(self, kind: str, payload=None) -> _Pending:
+        p = _Pending()
+        with self._lock:
+            if self._dead:
+                raise RolloutProcessError(f"{self._dead}; cannot {kind}")
+            mid = next(self._ids)
+            self._pending[mid] = p
+            try:
+                self._conn.send((kind, mid, payload))
+            except (OSError, BrokenPipeError) as e:
+                self._pending.pop(mid, None)
+                raise RolloutProcessError(f"{self._describe()}: cannot send {kind}: {e}") from e
+        return p
+
+    def _wait(self, p: _Pending, what: str, timeout: float):
+        if not p.event.wait(timeout):
+            raise RolloutProcessError(
+                f"{self._describe()}: no answer to {what} within {timeout:.0f}s "
+                f"(alive: {self.process.is_alive()})"
+            )
+        if not p.ok:
+            if p.value is None:
+                raise RolloutProcessError(f"{self._dead or self._describe()} during {what}")
+            raise RolloutProcessError(f"{self._describe()} failed {what}:\n{p.value}")
+        return p.value
+
+    # -- Engine protocol ------------------------------------------------------------------
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """Completes every request in the child; raises if it dies or passes the deadline."""
+        if not requests:
+            return []
+        return self._wait(self._send("generate", list(requests)), "generate", self.deadline_s)
+
+    def update_weights(
+        self, version: int, path: str | None = None, params=None, *, interrupt: bool = False
+    ) -> None:
+        """Sends new weights (params tree or HF directory); returns once the child serves them."""
+        if params is None and path is None:
+            raise ValueError("update_weights needs params or path")
+        t0 = time.perf_counter()
+        flat = None if params is None else flat_params(params)
+        t1 = time.perf_counter()
+        p = self._send("update", (version, path, flat, interrupt))
+        t2 = time.perf_counter()
+        install = self._wait(p, f"update_weights to version {version}", self.deadline_s)
+        self.version = version
+        t3 = time.perf_counter()
+        self.sync_times.append(
+            {"flatten_s": t1 - t0, "send_s": t2 - t1, "install_s": install, "total_s": t3 - t0}
+        )
+
+    def abort(self) -> None:
+        """Makes in-flight and later generate() calls return 'abort' partials, until resume()."""
+        if self._dead or not self.process.is_alive():
+            return  # nothing in flight can be waiting on a dead child (its waiters were failed)
+        try:
+            self._wait(self._send("abort"), "abort", self.deadline_s)
+        except RolloutProcessError:
+            if self.process.is_alive():
+                raise
+
+    def resume(self) -> None:
+        """Undoes abort()."""
+        self._wait(self._send("resume"), "resume", self.deadline_s)
+
+    def refresh_stats(self) -> dict:
+        """The child's counters now (generation busy time, tokens, weight-install time)."""
+        self._wait(self._send("stats"), "stats", self.deadline_s)
+        return self.stats
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the child: asks, then terminates, then kills; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.is_alive() and not self._dead:
+            try:
+                self._wait(self._send("close"), "close", timeout)
+            except RolloutProcessError:
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        self._conn.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and self.process.is_alive():
+                self.process.kill()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

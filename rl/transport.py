@@ -1,0 +1,119 @@
+"""The local transport's CPU layout: which cores the rollout process and the learner get.
+
+On a CPU host two JAX computations in threads of one process barely overlap: each one alone
+spreads over every core through XLA's intra-op thread pool. With `trainer.pin_cores` the
+rollout engine runs in its own process pinned to `trainer.rollout_cores` (see
+rl/rollout/process_engine.py) and the learner process is pinned to the other cores (or
+`trainer.learner_cores`), as separate accelerator pools would be. Sync and async runs use the
+same split, so their wall clocks compare like with like.
+
+Pinning must happen before JAX initialises its backend (the first `jax.devices()` or
+computation): XLA sizes its thread pool from the cores the process may use at that moment.
+`python -m launch.train` and `python -m launch.bench async` call `pin_learner` first thing;
+a program that builds a Trainer itself should call `pin_learner(core_split(cfg).learner)`
+before touching JAX. Pinning later still moves every thread, but the pool keeps its size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+# XLA flags of a process pinned to one core: Eigen kernels run on the calling thread.
+ONE_CORE_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreSplit:
+    """CPU cores of the rollout process and of the learner process."""
+
+    rollout: tuple[int, ...]
+    learner: tuple[int, ...]
+
+
+# The affinity before this module pinned anything (pin_learner narrows the process's own mask).
+_STARTUP_CORES = frozenset(os.sched_getaffinity(0))
+
+
+def available_cores() -> tuple[int, ...]:
+    """The cores this process could use before pinning (its affinity mask at startup)."""
+    return tuple(sorted(_STARTUP_CORES | os.sched_getaffinity(0)))
+
+
+def core_split(
+    rollout_cores: list[int] | tuple[int, ...] = (0,),
+    learner_cores: list[int] | tuple[int, ...] = (),
+    available: tuple[int, ...] | None = None,
+) -> CoreSplit:
+    """Validated split; empty learner_cores means every available core not given to rollout."""
+    available = available if available is not None else available_cores()
+    rollout = tuple(sorted(set(rollout_cores)))
+    if not rollout:
+        raise ValueError("trainer.rollout_cores: empty; give the rollout process at least one core")
+    bad = [c for c in rollout if c not in available]
+    if bad:
+        raise ValueError(
+            f"trainer.rollout_cores: cores {bad} are not available to this process; "
+            f"available: {list(available)}"
+        )
+    if learner_cores:
+        learner = tuple(sorted(set(learner_cores)))
+        bad = [c for c in learner if c not in available]
+        if bad:
+            raise ValueError(
+                f"trainer.learner_cores: cores {bad} are not available to this process; "
+                f"available: {list(available)}"
+            )
+    else:
+        learner = tuple(c for c in available if c not in rollout)
+    if not learner:
+        raise ValueError(
+            f"trainer.rollout_cores {list(rollout)} leave no core for the learner "
+            f"(available: {list(available)}); pin_cores needs at least 2 cores"
+        )
+    overlap = sorted(set(rollout) & set(learner))
+    if overlap:
+        raise ValueError(
+            f"trainer.rollout_cores and trainer.learner_cores share cores {overlap}; "
+            "the point of pinning is that they do not"
+        )
+    return CoreSplit(rollout, learner)
+
+
+def split_of(trainer_section) -> CoreSplit:
+    """The core split of a config's trainer section (rollout_cores, learner_cores)."""
+    return core_split(
+        getattr(trainer_section, "rollout_cores", (0,)),
+        getattr(trainer_section, "learner_cores", ()),
+    )
+
+
+def pin_threads(cores: tuple[int, ...] | list[int]) -> None:
+    """Pins this process, every thread it already has and every later thread, to `cores`."""
+    cores = set(cores)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread (and threads it starts) only
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+    os.sched_setaffinity(0, cores)
+
+
+def one_core_xla_flags(flags: str) -> str:
+    """XLA_FLAGS with the one-core settings added (existing flags kept)."""
+    parts = flags.split()
+    for f in ONE_CORE_XLA_FLAGS:
+        if not any(p.split("=")[0] == f.split("=")[0] for p in parts):
+            parts.append(f)
+    return " ".join(parts)
+
+
+def pin_learner(cores: tuple[int, ...] | list[int]) -> None:
+    """Pins the learner (this) process to `cores`; call before JAX initialises its backend."""
+    pin_threads(cores)
+    if len(cores) == 1:
+        os.environ["XLA_FLAGS"] = one_core_xla_flags(os.environ.get("XLA_FLAGS", ""))
