@@ -1,0 +1,99 @@
+"""launch.bench: the RESULT line of each benchmark on a tiny model (CPU), and its FLOP/byte counts
+against hand-computed values."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import bench
+from models import qwen2_0p5b, tiny
+
+
+def _parse_result(out: str) -> dict[str, str]:
+    lines = out.strip().splitlines()
+    assert lines and lines[-1].startswith("RESULT "), f"last line: {lines[-1:]}"
+    pairs = [kv.split("=", 1) for kv in lines[-1].split()[1:]]
+    assert all(len(p) == 2 for p in pairs), lines[-1]
+    return dict(pairs)
+
+
+def _positive_finite(result: dict[str, str], *names: str) -> None:
+    for name in names:
+        value = float(result[name])
+        assert math.isfinite(value) and value > 0, f"{name}={result[name]}"
+
+
+def test_learner_result_line(capsys):
+    argv = "learner --preset tiny --batch 2 --seq 32 --chunk 48 --remat full --warmup 1 --steps 2"
+    assert bench.main(argv.split()) == 0
+    out = capsys.readouterr().out
+    result = _parse_result(out)
+    _positive_finite(result, "learner_tokens_per_s", "step_s", "model_tflops")
+    assert result["mfu"] == "n/a"  # no datasheet peak for a CPU
+    # tokens/s is the whole batch over the median step
+    assert float(result["learner_tokens_per_s"]) == pytest.approx(
+        2 * 32 / float(result["step_s"]), rel=1e-4
+    )
+    assert "32 of 64 tokens trained" in out  # half of each row
+
+
+def test_sampler_result_line_from_the_command_line():
+    """The public surface: `python -m launch.bench sampler ...` in a fresh process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    argv = "sampler --preset tiny --batch 3 --prompt-len 5 --new-tokens 6 --repeats 1".split()
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.bench", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _parse_result(proc.stdout)
+    _positive_finite(result, "sampler_tokens_per_s", "decode_tokens_per_s", "decode_step_s")
+    assert result["roofline_frac"] == "n/a"
+
+
+def test_bad_argument_is_rejected(capsys):
+    assert bench.main("learner --preset tiny --batch 0".split()) == 2
+    assert "--batch=0" in capsys.readouterr().err
+
+
+def test_learner_flops_by_hand():
+    """tiny: D=128, q_dim=128, kv_dim=64, F=512, L=2, V=128, rows of T=32 tokens."""
+    per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 512  # q, k, v, o, MLP
+    n = 2 * per_layer + 128 * 128  # + LM head
+    fl = bench.learner_flops(tiny(), 32, remat="none", chunk=0)
+    assert fl.matmul_params == n == 507_904
+    assert fl.model == 6 * n + 12 * 2 * 32 * 128 == 3_145_728
+    assert fl.model_causal == 6 * n + 6 * 2 * 32 * 128
+    assert fl.executed == fl.model
+    full = bench.learner_flops(tiny(), 32, remat="full", chunk=64)
+    assert full.executed == fl.model + (2 * 2 * per_layer + 4 * 2 * 32 * 128) + 2 * 128 * 128
+
+
+def test_qwen2_0p5b_flops_and_decode_bytes_by_hand():
+    cfg = qwen2_0p5b(dtype="bfloat16", param_dtype="bfloat16")
+    # Qwen2.5-0.5B: 24 x (896*896*2 + 2*896*128 + 3*896*4864) + 896*151936 (tied head)
+    matmuls = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864
+    n = 24 * matmuls + 896 * 151936
+    assert bench.learner_flops(cfg, 1024).matmul_params == n == 493_961_216
+    nb = bench.decode_bytes(cfg, batch=8, prompt_len=128, new_tokens=256, cache_len=384)
+    layer = matmuls + 896 + 2 * 128 + 2 * 896  # + q/k/v biases + two norms
+    assert nb.params == 2 * (896 * 151936 + 24 * layer + 896)  # bf16, tied embedding read once
+    per_pos = 2 * 24 * 2 * 64 * 2  # k and v, 24 layers, 2 kv heads of 64, bf16
+    assert nb.kv_needed == 8 * per_pos * (128 + 128)
+    assert nb.kv_allocated == 8 * per_pos * 384
+
+
+def test_device_peaks_and_auto_chunk():
+    assert bench.device_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert bench.device_peaks("NVIDIA H200") == (989e12, 4.8e12)
+    assert bench.device_peaks("NVIDIA H100 PCIe") == (None, None)
+    assert bench.device_peaks("cpu") == (None, None)
+    assert bench.auto_chunk(151936) == 15232  # 10 chunks, 384 padded ids
+    assert bench.auto_chunk(128) == 128
