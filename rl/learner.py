@@ -330,17 +330,17 @@ class Learner:
                 f"is_correction={c.loss_cfg.is_correction!r}; use aggregation='token_mean' (and "
                 f"no gspo / *_seq correction) or learner.pack=false"
             )
-        arrays = self._device_batch(batch)
+        arrays = dict(arrays_in)
         if self.step_cfg.needs_proximal and minibatches > 1:
-            arrays["proximal_logp"] = jnp.asarray(self.logprobs(batch))
+            arrays["proximal_logp"] = self.logprobs(batch)  # the params at the update's start
         B = arrays["inputs"].shape[0]
         if B % minibatches:
             raise ValueError(f"batch of {B} rows does not split into {minibatches} minibatches")
         per = B // minibatches
         metrics: dict[str, float] = {}
-        for i in range(minibatches):
-            mb = jax.tree.map(lambda x, i=i: x[i * per : (i + 1) * per], arrays)
-            self.state, met = self._train(self.state, mb)
+        for i in range(minibatches):  # sliced on host, then placed with the batch sharding
+            mb = {k: np.asarray(v)[i * per : (i + 1) * per] for k, v in arrays.items()}
+            self.state, met = self._train(self.state, self._device_batch(mb))
             for k, v in met.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches
         self.version += 1
