@@ -239,6 +239,29 @@ def test_sharded_step_equals_single_device(model_state):
     assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
 
 
+def test_minibatches_on_mesh_use_proximal_from_update_start(model_state):
+    """decoupled PPO, 2 minibatches on the 2 x 2 mesh == two 1-device steps given the proximal
+    log-probs of the params at the update's start (not of the params between minibatches)."""
+    eps0 = _episodes(seed=12)
+    eps = _with_behavior(eps0, _numpy_token_logp(_model(model_state), eps0))
+    batch = make_batch(eps, _advantages(len(eps), seed=13), row_len=32)
+    cfg = StepConfig(loss="decoupled_ppo", loss_cfg=LossConfig(decoupled_cap=5.0))
+    cfg = dataclasses.replace(cfg, needs_proximal=True)
+    mesh4 = make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    sharded = Learner(_model(model_state, mesh=mesh4), optax.sgd(1.0), mesh=mesh4, step_cfg=cfg)
+    sharded.update(batch, minibatches=2)
+
+    ref = Learner(_model(model_state), optax.sgd(1.0), mesh=_mesh1(), step_cfg=cfg)
+    arrays = batch.arrays()
+    arrays["proximal_logp"] = ref.logprobs(batch)  # the update's start
+    halves = [{k: v[i * 4 : (i + 1) * 4] for k, v in arrays.items()} for i in range(2)]
+    ref.update(halves[0])
+    stale_prox = ref.logprobs(batch)[4:]  # what recomputing between minibatches would give
+    ref.update(halves[1])
+    assert _max_diff(_params_np(sharded), _params_np(ref)) < 1e-5
+    assert np.abs(stale_prox - arrays["proximal_logp"][4:]).max() > 1e-3  # the check can fail
+
+
 def test_adam_state_sharded_and_old_state_donated(model_state):
     """(c) optimizer moments keep their parameter's sharding; (d) a step donates the old state."""
     mesh4 = make_mesh(1, 2, 2, devices=jax.devices()[:4])
