@@ -448,6 +448,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one benchmark and prints its RESULT line last."""
+    if (argv := sys.argv[1:] if argv is None else argv)[:1] == ["async"]:  # sync vs async trainer
+        from launch.bench_async import main as bench_async
+
+        return bench_async(argv[1:])
     args = _parser().parse_args(argv)
     for name in ("batch", "seq", "prompt_len", "steps", "repeats", "warmup"):
         value = getattr(args, name, None)

@@ -14,7 +14,8 @@ excluded in every run, and sync_s / async_s is the wall time from the completion
 to the completion of update W + K (K = --updates), so each covers K updates of
 prompts * group samples. G and T are summed over the same window of the sync run. Before each
 run the rollout process compiles every generation-length bucket of the task, so a rare long
-batch does not compile inside the window. The final update (with its evaluation) is outside.
+batch does not compile inside the window, and all runs share a persistent compilation cache.
+The final update (with its evaluation) is outside the window.
 
 Prints per-run figures, then `RESULT sync_s=... async_s=... speedup=... ideal=...
 frac_of_ideal=...` (the first --partial policy; the others add suffixed keys).
@@ -162,6 +163,20 @@ def run_once(args, mode: str, partial: str, run_root: str) -> RunTiming:
     )
 
 
+def _share_compile_cache(path: str) -> None:
+    """Every run (and its rollout process) reuses compiled programs from one disk cache."""
+    import jax
+
+    values = {
+        "jax_compilation_cache_dir": path,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    for name, value in values.items():
+        os.environ[name.upper()] = str(value)  # the spawned rollout process reads these
+        jax.config.update(name, value)
+
+
 def _loadavg() -> str:
     try:
         return " ".join(open("/proc/loadavg").read().split()[:3])
@@ -233,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")
+    _share_compile_cache(os.path.join(run_root, "jit_cache"))
     load = _loadavg()
     sync = run_once(args, "sync", "drain", run_root)
     _print_run(sync, load)

@@ -106,7 +106,12 @@ class _Busy:
     def snapshot(self) -> dict:
         with self.lock:
             now = self.total + (time.perf_counter() - self.since if self.active else 0.0)
-            return {"busy_s": now, "generate_calls": self.calls, "tokens": self.tokens}
+            return {
+                "busy_s": now,
+                "generate_calls": self.calls,
+                "tokens": self.tokens,
+                "generating": self.active,
+            }
 
 
 def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
@@ -268,8 +273,9 @@ class ProcessEngine:
         self._ready = _Pending()
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
-        self._wait(self._ready, "start", deadline_s)
+        info = self._wait(self._ready, "start", deadline_s)
         self.pid = self.process.pid
+        self.child_cores = tuple(info["cores"])  # the affinity the child reports
 
     # -- plumbing -------------------------------------------------------------------------
     def _describe(self) -> str:

@@ -1,0 +1,104 @@
+"""The async benchmark at tiny size (a parseable RESULT line; no timing asserts), the longtail
+task's budgets and reward, and the agent's per-problem overrides (budget, ignore_eos)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models.tokenizer import build_task_tokenizer, load_tokenizer
+from rl.agent import run_episodes
+from rl.rollout.base import Generation, SamplingParams
+from rl.tasks import get_task
+from rl.tasks.base import Problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_async_prints_result_line(tmp_path):
+    cmd = [sys.executable, "-m", "launch.bench", "async", "--updates", "2", "--prompts", "2"]
+    cmd += ["--group", "2", "--min-tokens", "4", "--max-tokens", "8", "--eta", "1"]
+    cmd += ["--num-eval", "2", "--run-root", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), out.stdout[-2000:]
+    values = {k: float(v) for k, v in (kv.split("=") for kv in last.split()[1:])}
+    for key in ("sync_s", "async_s", "speedup", "ideal", "frac_of_ideal", "G_s", "T_s"):
+        assert math.isfinite(values[key]) and values[key] > 0, (key, last)
+    G, T = values["G_s"], values["T_s"]
+    assert values["ideal"] == pytest.approx((G + T) / max(G, T), rel=1e-3)
+    assert values["speedup"] == pytest.approx(values["sync_s"] / values["async_s"], rel=1e-3)
+    assert values["frac_of_ideal"] == pytest.approx(values["speedup"] / values["ideal"], rel=1e-3)
+    assert 1.0 <= values["ideal"] <= 2.0
+
+
+def test_longtail_budgets_are_seeded_clipped_and_heavy_tailed():
+    opts = dict(min_tokens=16, max_tokens=128, alpha=1.2, seed=3)
+    probs = get_task("longtail", **opts).problems("train", 4000)
+    assert probs[:50] == get_task("longtail", **opts).problems("train", 50)  # seeded
+    b = np.array([p.meta["max_new_tokens"] for p in probs])
+    assert b.min() >= 16 and b.max() <= 128 and all(p.meta["ignore_eos"] for p in probs)
+    # Pareto(1.2) scaled by 16: P(budget > x) = (16 / x) ** 1.2 below the clip at 128.
+    for x in (32, 64):
+        assert abs((b > x).mean() - (16 / x) ** 1.2) < 0.03
+    assert abs((b == 128).mean() - (16 / 127.5) ** 1.2) < 0.03  # the clipped tail
+
+
+def test_longtail_reward_is_fraction_of_even_digits():
+    task = get_task("longtail")
+    p = task.problems("train", 1)[0]
+    assert task.reward(p, "2a4b7").reward == pytest.approx(2 / 3)
+    assert task.reward(p, "13579").reward == 0.0
+    assert task.reward(p, "xyz").reward == 0.0 and not task.reward(p, "xyz").formatted
+    assert task.reward(p, task.demonstration(p)).reward == 1.0
+    assert len(task.demonstration(p)) == p.meta["max_new_tokens"]
+
+
+class _Recorder:
+    """An engine that answers every request with `max_new_tokens` eos tokens, recording it."""
+
+    version = 0
+
+    def __init__(self, eos):
+        self.eos, self.requests = eos, []
+
+    def generate(self, requests):
+        self.requests += requests
+        out = []
+        for r in requests:
+            n = r.params.max_new_tokens
+            ids = np.full(n, self.eos, np.int32)
+            stop = self.eos in r.params.stop_token_ids
+            ids = ids[:1] if stop else ids
+            out.append(
+                Generation(
+                    r.request_id,
+                    ids,
+                    np.zeros(len(ids), np.float32),
+                    np.zeros(len(ids), np.int32),
+                    "stop" if stop else "length",
+                )
+            )
+        return out
+
+
+def test_agent_per_problem_budget_and_ignore_eos(tmp_path):
+    tok = load_tokenizer(build_task_tokenizer(str(tmp_path)))
+    task = get_task("arithmetic")
+    base = task.problems("train", 1)[0]
+    problems = [
+        base,  # no overrides: the params' budget, stops on eos
+        Problem("a", base.prompt, base.answer, {"max_new_tokens": 5, "ignore_eos": True}),
+        Problem("b", base.prompt, base.answer, {"max_new_tokens": 50, "ignore_eos": True}),
+    ]
+    eng = _Recorder(tok.eos_id)
+    eps = run_episodes(eng, task, tok, problems, SamplingParams(max_new_tokens=9), seeds=[1, 2, 3])
+    budgets = [r.params.max_new_tokens for r in eng.requests]
+    assert budgets == [9, 5, 9]  # the per-problem budget, capped by the rollout's
+    assert tok.eos_id in eng.requests[0].params.stop_token_ids
+    assert eng.requests[1].params.stop_token_ids == eng.requests[2].params.stop_token_ids == ()
+    assert [e.num_generated for e in eps] == [1, 5, 9]

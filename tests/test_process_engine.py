@@ -1,0 +1,182 @@
+"""ProcessEngine: a JaxEngine in a pinned child process gives the in-process engine's tokens and
+log-probs, serves new weights after update_weights, returns 'abort' partials when an update
+interrupts it, and fails fast and clearly when its process dies."""
+
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import create_model, tiny
+from rl.rollout.base import GenerationRequest, SamplingParams
+from rl.rollout.jax_engine import JaxEngine
+from rl.rollout.process_engine import ProcessEngine, RolloutProcessError
+from rl.transport import core_split
+
+CONFIG = tiny()
+
+
+def randomize(model, seed):
+    """Random weights of a useful scale (norm weights near 1): peaked, well-separated logits."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten_with_path(state)
+    rng = np.random.RandomState(seed)
+    new = []
+    for path, x in leaves:
+        noise = rng.standard_normal(x.shape).astype(np.float32)
+        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
+        new.append(jnp.asarray(value, x.dtype))
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+    return model
+
+
+def _reqs(n, max_new, temperature=1.0, prefix="r"):
+    rng = np.random.RandomState(7)
+    return [
+        GenerationRequest(
+            f"{prefix}{i}",
+            rng.randint(3, CONFIG.vocab_size, size=3 + i % 4).astype(np.int32),
+            SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=100 + i),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def models():
+    old = randomize(create_model(CONFIG, seed=0), seed=0)
+    new = randomize(create_model(CONFIG, seed=0), seed=1)
+    return old, new
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    eng = ProcessEngine(models[0], cores=(0,), chunk=4, deadline_s=120)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def ref(models):
+    """The in-process reference engine (same chunk; shares compiled programs across tests)."""
+    return JaxEngine(models[0], chunk=4)
+
+
+# One batch shape (8 rows, 16-token bucket) for the comparisons: few compilations.
+REQS = _reqs(6, 12) + _reqs(2, 12, temperature=0.0, prefix="g")
+
+
+def _both(engine, ref, reqs):
+    """(child's generations, in-process generations); the two compile in parallel."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("child", engine.generate(reqs)))
+    t.start()
+    want = ref.generate(reqs)
+    t.join(120)
+    return out["child"], want
+
+
+def _assert_same(got, want):
+    assert [g.request_id for g in got] == [w.request_id for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+        np.testing.assert_array_equal(g.versions, w.versions)
+        assert g.finish_reason == w.finish_reason
+        assert np.abs(g.logprobs - w.logprobs).max() <= 1e-6
+
+
+def test_child_is_pinned(engine):
+    assert os.sched_getaffinity(engine.pid) == {0}
+    assert engine.child_cores == (0,)
+
+
+def test_generations_equal_in_process_engine(engine, ref):
+    got, want = _both(engine, ref, REQS)
+    _assert_same(got, want)
+    assert all(len(g.token_ids) == 12 and g.finish_reason == "length" for g in want)
+
+
+def test_update_weights_changes_version_and_logprobs(models, engine, ref):
+    old, new = models
+    before = engine.generate(REQS)
+    engine.update_weights(5, params=nnx.state(new, nnx.Param))
+    ref.update_weights(5, params=nnx.state(new, nnx.Param))
+    assert engine.version == 5
+    after, want = _both(engine, ref, REQS)
+    _assert_same(after, want)
+    assert all((g.versions == 5).all() for g in after)
+    greedy = [i for i, r in enumerate(REQS) if r.params.temperature == 0]
+    diff = max(np.abs(after[i].logprobs - before[i].logprobs).max() for i in greedy)
+    assert diff > 1e-2  # the served weights really changed
+    t = engine.sync_times[-1]
+    assert t["total_s"] >= t["install_s"] > 0
+    engine.update_weights(0, params=nnx.state(old, nnx.Param))  # back for the other tests
+    ref.update_weights(0, params=nnx.state(old, nnx.Param))
+    _assert_same(engine.generate(REQS), before)
+
+
+def test_interrupting_update_returns_abort_partials(models, engine):
+    """An update with interrupt=True lands while the child generates: 'abort' partials."""
+    reqs = _reqs(8, 2000, prefix="long")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("gens", engine.generate(reqs)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not engine.refresh_stats()["generating"]:
+        assert time.monotonic() < deadline, "the generate never started"
+        time.sleep(0.005)
+    engine.update_weights(1, params=nnx.state(models[1], nnx.Param), interrupt=True)
+    t.join(60)
+    gens = result["gens"]
+    assert all(g.finish_reason == "abort" for g in gens)
+    n = {len(g.token_ids) for g in gens}
+    assert len(n) == 1 and 1 <= n.pop() < 2000  # one batch, cut at a chunk boundary
+    assert all((g.versions == 0).all() for g in gens)  # every token came from the old weights
+    short = [GenerationRequest("after", reqs[0].prompt_ids, SamplingParams(4, seed=1))]
+    assert (engine.generate(short)[0].versions == 1).all()
+    engine.update_weights(0, params=nnx.state(models[0], nnx.Param))
+
+
+def test_killed_child_raises_clear_error_within_deadline(models):
+    eng = ProcessEngine(models[0], cores=(0,), chunk=4, deadline_s=60, name="victim")
+    try:
+        reqs = _reqs(8, 2000, prefix="k")
+        err = {}
+
+        def gen():
+            try:
+                eng.generate(reqs)
+            except RolloutProcessError as e:
+                err["e"] = e
+
+        t = threading.Thread(target=gen)
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(eng.pid, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive() and time.monotonic() - t0 < 15
+        msg = str(err["e"])
+        assert "victim" in msg and str(eng.pid) in msg and "exit code -9" in msg, msg
+        with pytest.raises(RolloutProcessError, match="exit code -9"):
+            eng.generate(reqs[:1])  # later calls fail at once
+        eng.abort()  # shutdown paths stay quiet on a dead child
+    finally:
+        eng.close()
+
+
+def test_core_split_validates():
+    assert core_split([0], [], available=(0, 1)).learner == (1,)
+    assert core_split([1], [0], available=(0, 1, 2)).learner == (0,)
+    with pytest.raises(ValueError, match="leave no core"):
+        core_split([0, 1], [], available=(0, 1))
+    with pytest.raises(ValueError, match="not available"):
+        core_split([5], [], available=(0, 1))
+    with pytest.raises(ValueError, match="share cores"):
+        core_split([0], [0], available=(0, 1))
