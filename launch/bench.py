@@ -461,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench_async import main as bench_async
 
         return bench_async(argv[1:])
+    if argv[:1] == ["publish"]:  # parameter server vs a plain copy (launch/bench_publish.py)
+        from launch.bench_publish import main as bench_publish
+
+        return bench_publish(argv[1:])
     args = _parser().parse_args(argv)
     for name in ("batch", "seq", "prompt_len", "steps", "repeats", "warmup"):
         value = getattr(args, name, None)
