@@ -216,50 +216,42 @@ def test_packed_batch_rejects_sequence_level_losses(model_state):
 
 
 def test_sharded_step_equals_single_device(model_state):
-    eps0 = _episodes(seed=7)
-    eps = _with_behavior(eps0, _numpy_token_logp(_model(model_state), eps0))
-    batch = make_batch(eps, _advantages(len(eps), seed=8), row_len=32)
-    mesh4 = make_mesh(1, 2, 2, devices=jax.devices()[:4])
-    out = {}
-    for name, mesh in (("one", _mesh1()), ("four", mesh4)):
-        model = _model(model_state, mesh=mesh if name == "four" else None)
-        learner = Learner(model, optax.sgd(0.5), mesh=mesh, step_cfg=StepConfig(micro_batches=2))
-        shardings = jax.tree.map(lambda x: x.sharding, learner.state)
-        mets = [learner.update(batch) for _ in range(2)]
-        assert jax.tree.map(lambda x: x.sharding, learner.state) == shardings
-        out[name] = (_params_np(learner), mets, learner)
-    assert _max_diff(out["one"][0], out["four"][0]) < 1e-5
-    for m1, m4 in zip(out["one"][1], out["four"][1]):
-        for k in ("loss", "pg_loss", "grad_norm", "entropy", "clip_fraction"):
-            assert abs(m1[k] - m4[k]) < 1e-5 * max(1.0, abs(m1[k])), (k, m1[k], m4[k])
-    # parameters really are split over the four devices
-    q = out["four"][2].params()["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-    assert len({s.device for s in q.addressable_shards}) == 4
-    assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
-
-
-def test_minibatches_on_mesh_use_proximal_from_update_start(model_state):
-    """decoupled PPO, 2 minibatches on the 2 x 2 mesh == two 1-device steps given the proximal
-    log-probs of the params at the update's start (not of the params between minibatches)."""
+    """decoupled PPO with 2 minibatches x 2 micro-batches on the 2 x 2 mesh == two 1-device
+    steps given the proximal log-probs of the params at the update's start (not of the params
+    between minibatches); parameters stay sharded."""
     eps0 = _episodes(seed=12)
     eps = _with_behavior(eps0, _numpy_token_logp(_model(model_state), eps0))
     batch = make_batch(eps, _advantages(len(eps), seed=13), row_len=32)
-    cfg = StepConfig(loss="decoupled_ppo", loss_cfg=LossConfig(decoupled_cap=5.0))
-    cfg = dataclasses.replace(cfg, needs_proximal=True)
+    cfg = StepConfig(
+        loss="decoupled_ppo",
+        loss_cfg=LossConfig(decoupled_cap=5.0),
+        micro_batches=2,
+        needs_proximal=True,
+    )
     mesh4 = make_mesh(1, 2, 2, devices=jax.devices()[:4])
     sharded = Learner(_model(model_state, mesh=mesh4), optax.sgd(1.0), mesh=mesh4, step_cfg=cfg)
-    sharded.update(batch, minibatches=2)
+    shardings = jax.tree.map(lambda x: x.sharding, sharded.state)
+    met = sharded.update(batch, minibatches=2)
+    assert jax.tree.map(lambda x: x.sharding, sharded.state) == shardings
 
     ref = Learner(_model(model_state), optax.sgd(1.0), mesh=_mesh1(), step_cfg=cfg)
     arrays = batch.arrays()
     arrays["proximal_logp"] = ref.logprobs(batch)  # the update's start
     halves = [{k: v[i * 4 : (i + 1) * 4] for k, v in arrays.items()} for i in range(2)]
-    ref.update(halves[0])
+    ref_met = [ref.update(halves[0])]
     stale_prox = ref.logprobs(batch)[4:]  # what recomputing between minibatches would give
-    ref.update(halves[1])
+    ref_met.append(ref.update(halves[1]))
+
     assert _max_diff(_params_np(sharded), _params_np(ref)) < 1e-5
     assert np.abs(stale_prox - arrays["proximal_logp"][4:]).max() > 1e-3  # the check can fail
+    for k in ("loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "is_weight_mean"):
+        want = (ref_met[0][k] + ref_met[1][k]) / 2  # update() averages its minibatches
+        assert abs(met[k] - want) < 1e-5 * max(1.0, abs(want)), (k, met[k], want)
+    # parameters really are split over the four devices
+    q = sharded.params()["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert len({s.device for s in q.addressable_shards}) == 4
+    assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
 
 
 def test_adam_state_sharded_and_old_state_donated(model_state):
