@@ -309,9 +309,14 @@ class Transformer(nnx.Module):
         """Logits[B, T, V] in float32 of tokens[B, T] (arguments as in hidden_states)."""
         return self._logits(self.hidden_states(tokens, positions, segment_ids))
 
-    def prefill(self, tokens, lengths, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def prefill(
+        self, tokens, lengths, cache: KVCache, *, last_only: bool = False
+    ) -> tuple[jax.Array, KVCache]:
         """Logits[B, T, V] of right-padded prompts tokens[B, T] with lengths[B] real tokens,
-        and the cache with slots [0, lengths[b]) of row b written (the rest zeroed)."""
+        and the cache with slots [0, lengths[b]) of row b written (the rest zeroed).
+
+        last_only: return only each row's last-token logits [B, V] (what sampling needs).
+        """
         B, T = tokens.shape
         if T > cache.max_len:
             raise ValueError(f"prompt length T={T} exceeds the cache's max_len={cache.max_len}")
@@ -330,8 +335,12 @@ class Transformer(nnx.Module):
             for new, old, out in ((k, cache.k[i], ks), (v, cache.v[i], vs)):
                 new = jnp.where(valid_BT11, new, 0).astype(old.dtype)
                 out.append(jax.lax.dynamic_update_slice(old, new, (0, 0, 0, 0)))
-        logits_BTV = self._logits(self.model.norm(x_BTD))
-        return logits_BTV, KVCache(k=tuple(ks), v=tuple(vs))
+        h_BTD = self.model.norm(x_BTD)
+        cache = KVCache(k=tuple(ks), v=tuple(vs))
+        if last_only:
+            h_B1D = jnp.take_along_axis(h_BTD, (lengths - 1)[:, None, None], axis=1)
+            return self._logits(h_B1D)[:, 0], cache
+        return self._logits(h_BTD), cache
 
     def decode(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.

@@ -39,6 +39,12 @@ def process_logits(
     """Temperature, then top-k and top-p truncation (masked to -inf). Greedy rows use T=1."""
     t = jnp.where(temperature_B > 0, temperature_B, 1.0)
     x = logits_BV.astype(jnp.float32) / t[:, None]
+    # The vocabulary sort only runs when some row truncates (top-k or top-p on).
+    truncate = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
+    return jax.lax.cond(truncate, _truncate, lambda x, *_: x, x, top_k_B, top_p_B)
+
+
+def _truncate(x: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
     V = x.shape[-1]
     sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
     k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
@@ -142,8 +148,7 @@ class JaxEngine:
         model = nnx.merge(self.graphdef, params, self.rest)
         B, T = tokens_BT.shape
         cache = init_cache(self.config, B, T + N)
-        logits_BTV, cache = model.prefill(tokens_BT, lengths_B, cache)
-        last = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        last, cache = model.prefill(tokens_BT, lengths_B, cache, last_only=True)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys_B2)
         tok, lp = _sample(process_logits(last, temp_B, topk_B, topp_B), keys, temp_B)
         return tok, lp, cache
