@@ -65,6 +65,9 @@ class SFTSection:
     batch_size: int = F(128, "demonstrations per supervised step")
     lr: float = F(1e-3, "supervised learning rate (AdamW, warmup then cosine)")
     warmup_steps: int = F(10, "supervised warmup steps")
+    continue_optimizer: bool = F(
+        False, "RL keeps the warm start's optimizer moments (one optimizer for both stages)"
+    )
 
 
 @dataclasses.dataclass

@@ -94,10 +94,27 @@ def make_batch(
 # Optimizer
 
 
+def make_schedule(
+    lr: float, *, total_steps: int, warmup_steps: int = 0, schedule: str = "constant"
+) -> optax.Schedule:
+    """Linear warmup, then constant or cosine decay (to lr / 10) over total_steps."""
+    if schedule == "cosine":
+        warmup = min(warmup_steps, max(total_steps - 1, 0))
+        return optax.warmup_cosine_decay_schedule(
+            0.0 if warmup else lr, lr, warmup, max(total_steps, warmup + 1), lr * 0.1
+        )
+    if warmup_steps:
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)],
+            [warmup_steps],
+        )
+    return optax.constant_schedule(lr)
+
+
 def make_optimizer(
-    lr: float,
+    lr: float | optax.Schedule,
     *,
-    total_steps: int,
+    total_steps: int = 0,
     warmup_steps: int = 0,
     schedule: str = "constant",
     weight_decay: float = 0.0,
@@ -106,19 +123,13 @@ def make_optimizer(
     eps: float = 1e-8,
     max_grad_norm: float = 1.0,
 ) -> optax.GradientTransformation:
-    """AdamW with linear warmup then constant or cosine decay, after global-norm clipping."""
-    if schedule == "cosine":
-        warmup = min(warmup_steps, max(total_steps - 1, 0))
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0 if warmup else lr, lr, warmup, max(total_steps, warmup + 1), lr * 0.1
-        )
-    elif warmup_steps:
-        sched = optax.join_schedules(
-            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)],
-            [warmup_steps],
-        )
+    """AdamW (a float lr with warmup + schedule, or a schedule) after global-norm clipping."""
+    if callable(lr):
+        sched = lr
     else:
-        sched = optax.constant_schedule(lr)
+        sched = make_schedule(
+            lr, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule
+        )
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
     parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)

@@ -18,6 +18,7 @@ import zlib
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
 from models import sharding as msh
@@ -30,7 +31,7 @@ from rl.algorithms import losses as L
 from rl.buffer import GroupBuffer
 from rl.checkpoint import Checkpointer
 from rl.coordinator import Coordinator
-from rl.learner import Learner, StepConfig, bucket, make_batch, make_optimizer
+from rl.learner import Learner, StepConfig, bucket, make_batch, make_optimizer, make_schedule
 from rl.metrics import MetricsWriter, staleness_metrics
 from rl.rollout.base import SamplingParams
 from rl.rollout.jax_engine import JaxEngine
@@ -62,13 +63,26 @@ def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
 
 
 def rl_optimizer(cfg: C.RunConfig):
-    """The optimizer of the RL stage (its state structure is what checkpoints hold)."""
-    o = cfg.optim
-    return make_optimizer(
+    """The optimizer of the run (its state structure is what checkpoints hold).
+
+    With sft.continue_optimizer the warm start and RL share it: the RL stage keeps the
+    warm start's Adam moments, so its first steps are not the sign-like steps of a fresh
+    Adam, which at RL learning rates wreck a small warm-started model.
+    """
+    o, s = cfg.optim, cfg.sft
+    sched = make_schedule(
         o.lr,
         total_steps=cfg.trainer.total_updates * cfg.learner.minibatches,
         warmup_steps=o.warmup_steps,
         schedule=o.schedule,
+    )
+    if s.steps > 0 and s.continue_optimizer:  # one optimizer, one step count, both stages
+        warm = make_schedule(
+            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule="cosine"
+        )
+        sched = optax.join_schedules([warm, sched], [s.steps])
+    return make_optimizer(
+        sched,
         weight_decay=o.weight_decay,
         b1=o.b1,
         b2=o.b2,
@@ -220,9 +234,12 @@ class Trainer:
 
     def make_jax_engine(self):
         """An in-process JAX sampler on the learner's current weights (evaluation)."""
-        return JaxEngine(self.learner.model, version=self.learner.version,
-                         max_batch=self.cfg.rollout.batch_size,
-                         deadline_s=self.cfg.trainer.deadline_s)
+        return JaxEngine(
+            self.learner.model,
+            version=self.learner.version,
+            max_batch=self.cfg.rollout.batch_size,
+            deadline_s=self.cfg.trainer.deadline_s,
+        )
 
     def make_vllm_engine(self):
         """vLLM hosts serving the learner's current weights, published by the parameter server.
@@ -235,10 +252,14 @@ class Trainer:
 
         v = self.cfg.rollout.vllm
         self.param_server = ParamServer(
-            os.path.join(self.run_dir, "weights"), self.learner.model.config,
-            tokenizer_dir=self.tok_dir, keep=3,
-            hf_overrides={"eos_token_id": self.tokenizer.eos_id,
-                          "pad_token_id": self.tokenizer.pad_id},
+            os.path.join(self.run_dir, "weights"),
+            self.learner.model.config,
+            tokenizer_dir=self.tok_dir,
+            keep=3,
+            hf_overrides={
+                "eos_token_id": self.tokenizer.eos_id,
+                "pad_token_id": self.tokenizer.pad_id,
+            },
         )
         version = self.learner.version
         path, _ = self.param_server.write(version, self.learner.params())
@@ -247,11 +268,16 @@ class Trainer:
         else:
             hosts = []
             for i in range(v.num_hosts):
-                hosts.append(VLLMHost.launch(
-                    path, log_path=os.path.join(self.run_dir, "logs", f"vllm-{i}.log"),
-                    host=v.host, enforce_eager=v.enforce_eager, seed=self.cfg.seed + i,
-                    extra_args=v.extra_args,
-                ))
+                hosts.append(
+                    VLLMHost.launch(
+                        path,
+                        log_path=os.path.join(self.run_dir, "logs", f"vllm-{i}.log"),
+                        host=v.host,
+                        enforce_eager=v.enforce_eager,
+                        seed=self.cfg.seed + i,
+                        extra_args=v.extra_args,
+                    )
+                )
             try:
                 for h in hosts:
                     h.wait_ready(v.ready_timeout_s)
@@ -259,9 +285,14 @@ class Trainer:
                 for h in hosts:
                     h.stop()
                 raise
-        engine = VLLMEngine(hosts, version=version, update_mode=self.cfg.trainer.partial,
-                            request_timeout_s=v.request_timeout_s,
-                            deadline_s=self.cfg.trainer.deadline_s, owns_hosts=not v.urls)
+        engine = VLLMEngine(
+            hosts,
+            version=version,
+            update_mode=self.cfg.trainer.partial,
+            request_timeout_s=v.request_timeout_s,
+            deadline_s=self.cfg.trainer.deadline_s,
+            owns_hosts=not v.urls,
+        )
         if v.urls:
             engine.update_weights(version, path=path)
         self.param_server.engine_versions["vllm"] = version
@@ -271,14 +302,19 @@ class Trainer:
         """Moves the rollout engine to the learner's weights at `version`; returns seconds."""
         t0 = time.perf_counter()
         if self.cfg.rollout.engine == "vllm":
-            result = self.param_server.publish(version, {"vllm": engine},
-                                               params=self.learner.params())
+            result = self.param_server.publish(
+                version, {"vllm": engine}, params=self.learner.params()
+            )
             if result.errors:
-                raise RuntimeError(f"weight publication of version {version} failed: "
-                                   f"{result.errors}")
+                raise RuntimeError(
+                    f"weight publication of version {version} failed: {result.errors}"
+                )
         else:
-            engine.update_weights(version, params=self.learner.params(),
-                                  interrupt=self.cfg.trainer.partial == "continue")
+            engine.update_weights(
+                version,
+                params=self.learner.params(),
+                interrupt=self.cfg.trainer.partial == "continue",
+            )
         return time.perf_counter() - t0
 
     # -- supervised warm start ------------------------------------------------------------
@@ -316,11 +352,12 @@ class Trainer:
     def supervised(self) -> dict:
         """Runs the supervised warm start (sft.steps steps of demonstrations)."""
         s = self.cfg.sft
-        tx = make_optimizer(
-            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule="cosine"
-        )
         self.learner.set_step_cfg(StepConfig(loss="sft", temperature=1.0))
-        self.learner.reset_optimizer(tx)
+        if not s.continue_optimizer:
+            tx = make_optimizer(
+                s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule="cosine"
+            )
+            self.learner.reset_optimizer(tx)
         problems = self.task.problems("train", s.steps * s.batch_size)
         row_len = None
         t0 = time.perf_counter()
@@ -339,7 +376,8 @@ class Trainer:
                 self.sft_curve.append((step, loss))
         self.learner.version = 0
         self.learner.set_step_cfg(self._rl_step_cfg())
-        self.learner.reset_optimizer(self._rl_tx())
+        if not s.continue_optimizer:
+            self.learner.reset_optimizer(self._rl_tx())
         return {"sft/loss": loss, "sft/time": time.perf_counter() - t0, "sft/steps": s.steps}
 
     # -- evaluation -----------------------------------------------------------------------
