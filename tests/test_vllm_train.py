@@ -1,0 +1,276 @@
+"""The trainer's vLLM path against ONE real vLLM server (started once for the module):
+
+* weight publication end to end: K learner updates, an Orbax checkpoint, ParamServer.publish
+  from it, and the host's log-probs for fixed token sequences equal the learner's (our JAX model)
+  to 1e-3, where before the reload they differ by > 1e-2; generated tokens carry the version the
+  host serves;
+* a short RL run with rollout.engine=vllm (connected to the server by URL) raises held-out reward;
+* a host that is not ready in time, or dies mid-run, fails the trainer with an error naming the
+  host (and its log file under run_dir/logs when the trainer launched it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+import requests
+
+from rl import config as C
+from rl.learner import make_batch
+from rl.param_server import ParamServer
+from rl.rollout.base import GenerationRequest, SamplingParams
+from rl.rollout.vllm import VLLMEngine, VLLMError, VLLMHost
+from rl.trainer import Trainer
+from rl.types import Episode
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_YAML = os.path.join(ROOT, "configs", "vllm.yaml")
+DEFAULT_YAML = os.path.join(ROOT, "configs", "default.yaml")
+QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.save_episodes=0"]
+K = 20  # learner updates before the publication tested by numbers
+TOL = 1e-3  # float32 vLLM vs our JAX model; a stale reload is off by far more
+N_SEQ = 8  # fixed token sequences scored by both
+
+
+def _config(*overrides: str) -> C.RunConfig:
+    """configs/vllm.yaml + overrides, with the RL optimizer of configs/default.yaml."""
+    cfg = C.load(VLLM_YAML, [*QUIET, *overrides])
+    cfg.optim = C.load(DEFAULT_YAML).optim
+    return cfg
+
+
+def _close(trainer: Trainer) -> None:
+    trainer.writer.close()
+    trainer.ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One vLLM host serving version 0 of a fresh learner (the trainer's model shape)."""
+    root = str(tmp_path_factory.mktemp("vllm_train"))
+    trainer = Trainer(
+        _config(f"sft.steps={K}", "sft.batch_size=32"), run_dir=os.path.join(root, "learner")
+    )
+    server = ParamServer(
+        os.path.join(root, "weights"),
+        trainer.learner.model.config,
+        tokenizer_dir=trainer.tok_dir,
+        hf_overrides={"eos_token_id": trainer.tokenizer.eos_id},
+    )
+    path0, _ = server.write(0, trainer.learner.params())
+    host = VLLMHost.launch(path0, log_path=os.path.join(root, "vllm.log"), max_model_len=512)
+    engine = None
+    try:
+        host.wait_ready(deadline_s=600)
+        engine = VLLMEngine(
+            [host], version=0, request_timeout_s=120, deadline_s=300, update_timeout_s=60
+        )
+        server.engine_versions["vllm"] = 0
+        yield types.SimpleNamespace(
+            root=root, trainer=trainer, server=server, host=host, engine=engine
+        )
+    finally:
+        if engine is not None:
+            engine.close()
+        host.stop()
+        _close(trainer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs of fixed sequences: vLLM (prompt log-probs) and the learner (Learner.logprobs).
+
+
+def _sequences(trainer: Trainer) -> list[list[int]]:
+    """Held-out prompts followed by their correct answers and EOS (token ids)."""
+    out = []
+    for problem in trainer.eval_problems[:N_SEQ]:
+        ep = trainer.demo_episode(problem)
+        out.append([int(t) for t in ep.tokens])
+    return out
+
+
+def _vllm_scores(url: str, seqs: list[list[int]]) -> list[np.ndarray]:
+    """log p(s_t | s_<t), t >= 1, of each sequence under the served weights (temperature 1)."""
+    out = []
+    for seq in seqs:
+        body = {"prompt": seq, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        resp = requests.post(url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text[:500]
+        entries = resp.json()["choices"][0]["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(seq)
+        out.append(np.array([e[str(t)]["logprob"] for t, e in zip(seq[1:], entries[1:])]))
+    return out
+
+
+def _episodes(seqs: list[list[int]], prompt_lens: list[int]) -> list[Episode]:
+    eps = []
+    for seq, p in zip(seqs, prompt_lens):
+        n = len(seq)
+        mask = (np.arange(n) >= p).astype(np.int8)
+        eps.append(Episode("s", np.asarray(seq), mask, np.zeros(n), np.zeros(n, np.int32), p, 0.0))
+    return eps
+
+
+def _learner_scores(trainer: Trainer, seqs: list[list[int]], start: list[int]) -> list[np.ndarray]:
+    """The learner's log p(s_t | s_<t) for t >= start[i] of each sequence (temperature 1)."""
+    assert trainer.learner.step_cfg.temperature == 1.0
+    lp_BT = trainer.learner.logprobs(make_batch(_episodes(seqs, start), np.zeros(len(seqs))))
+    return [lp_BT[i, s - 1 : len(seq) - 1] for i, (seq, s) in enumerate(zip(seqs, start))]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def _generate(engine: VLLMEngine, trainer: Trainer, tag: str):
+    prompts = [trainer.tokenizer.encode(p.prompt) for p in trainer.eval_problems[:N_SEQ]]
+    reqs = [
+        GenerationRequest(
+            f"{tag}-{i}",
+            np.asarray(p, np.int32),
+            SamplingParams(max_new_tokens=12, temperature=1.0, seed=100 + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return prompts, engine.generate(reqs)
+
+
+def _weight_version(url: str) -> str:
+    return requests.get(url + "/weight_info", timeout=30).json()["weight_version"]
+
+
+def test_publish_from_checkpoint_reloads_the_learners_weights(served):
+    trainer, engine, url = served.trainer, served.engine, served.host.url
+    seqs = _sequences(trainer)
+    ones = [1] * len(seqs)
+
+    # Version 0: the host serves the learner's initial weights.
+    d_v0 = _max_diff(_vllm_scores(url, seqs), _learner_scores(trainer, seqs, ones))
+    prompts, gens = _generate(engine, trainer, "v0")
+    assert all((g.versions == 0).all() and len(g.token_ids) == 12 for g in gens)
+
+    # K learner updates (the supervised warm start), an Orbax checkpoint of them.
+    trainer.supervised()
+    trainer.ckpt.save(K, trainer.learner.state, {"version": K})
+    learner_K = _learner_scores(trainer, seqs, ones)
+    stale = _vllm_scores(url, seqs)
+    d_stale = _max_diff(stale, learner_K)
+
+    # Publication from the checkpoint; the host reloads it.
+    result = served.server.publish(K, {"vllm": engine}, checkpoint_dir=trainer.ckpt.directory)
+    assert result.errors == {} and result.acks == {"vllm": K}, result
+    assert _weight_version(url) == str(K) and engine.version == K
+    d_reloaded = _max_diff(_vllm_scores(url, seqs), learner_K)
+
+    # Tokens generated now carry version K; their behavior log-probs are the learner's.
+    prompts, gens = _generate(engine, trainer, "vK")
+    assert all((g.versions == K).all() for g in gens)
+    gen_seqs = [list(p) + g.token_ids.tolist() for p, g in zip(prompts, gens)]
+    learner_gen = _learner_scores(trainer, gen_seqs, [len(p) for p in prompts])
+    d_gen = _max_diff([g.logprobs.astype(np.float64) for g in gens], learner_gen)
+
+    print(
+        f"max |vLLM - learner| log-prob: v0 {d_v0:.2e}; after {K} updates before the reload "
+        f"{d_stale:.2e}; after the reload {d_reloaded:.2e} (fixed sequences), "
+        f"{d_gen:.2e} (generated tokens); publish {result.restore_s + result.write_s:.2f} s, "
+        f"reload {result.reload_s:.2f} s"
+    )
+    assert d_v0 < TOL
+    assert d_stale > 1e-2  # the learner moved: the old weights are measurably different
+    assert d_reloaded < TOL and d_gen < TOL
+
+
+def _eval_rewards(run_dir: str) -> list[tuple[int, float]]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+
+
+def test_short_rl_run_with_vllm_improves_heldout_reward(served, tmp_path):
+    run_dir = str(tmp_path / "rl")
+    cfg = _config(
+        f"rollout.vllm.urls=[{served.host.url}]",
+        "trainer.total_updates=20",
+        "trainer.eval_every=5",
+    )
+    t0 = time.monotonic()
+    trainer = Trainer(cfg, run_dir=run_dir)
+    summary = trainer.run()
+    evals = _eval_rewards(run_dir)
+    print(
+        f"vLLM RL run ({time.monotonic() - t0:.0f} s; sft.steps={cfg.sft.steps}, "
+        f"optim.lr={cfg.optim.lr}): eval/reward by update {evals}; weight sync "
+        f"{summary['timing/weight_sync']:.2f} s"
+    )
+    assert [s for s, _ in evals] == [0, 5, 10, 15, 20]
+    assert _weight_version(served.host.url) == "20"
+    published = sorted(os.listdir(os.path.join(run_dir, "weights")))
+    assert published[-1] == "v000020" and "LATEST" in published
+    assert evals[-1][1] > evals[0][1], f"held-out reward did not improve: {evals}"
+
+
+def test_host_not_ready_in_time_names_its_log(tmp_path):
+    run_dir = str(tmp_path / "slow")
+    trainer = Trainer(_config("sft.steps=0", "rollout.vllm.ready_timeout_s=0.5"), run_dir=run_dir)
+    t0 = time.monotonic()
+    with pytest.raises(VLLMError) as err:
+        trainer.run()
+    msg = str(err.value)
+    log_path = os.path.join(run_dir, "logs", "vllm-0.log")
+    print(f"failed after {time.monotonic() - t0:.1f} s: {msg.splitlines()[0]}")
+    assert "not ready within 0.5 s" in msg and log_path in msg and os.path.isfile(log_path)
+    pid = int(re.search(r"pid (\d+)", msg).group(1))
+    with pytest.raises(ProcessLookupError):  # the launched server was stopped, not orphaned
+        os.kill(pid, 0)
+
+
+def test_host_killed_mid_run_fails_the_trainer(served, tmp_path):
+    """Last: it takes the module's server down."""
+    run_dir = str(tmp_path / "killed")
+    cfg = _config(
+        f"rollout.vllm.urls=[{served.host.url}]",
+        "sft.steps=0",
+        "trainer.total_updates=200",
+        "trainer.eval_every=0",
+        "task.num_eval=8",
+        "trainer.deadline_s=120",
+    )
+    trainer = Trainer(cfg, run_dir=run_dir)
+    box: dict = {}
+
+    def run():
+        try:
+            box["summary"] = trainer.run()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    end = time.monotonic() + 300
+    while not (os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 2):
+        assert thread.is_alive() and time.monotonic() < end, box
+        time.sleep(0.5)
+    t_kill = time.monotonic()
+    os.killpg(served.host.process.pid, signal.SIGKILL)
+    thread.join(timeout=180)
+    assert not thread.is_alive(), "the trainer hangs after its vLLM host died"
+    err = box.get("error")
+    print(f"trainer failed {time.monotonic() - t_kill:.1f} s after SIGKILL: {str(err)[:300]}")
+    assert err is not None and served.host.url in str(err)
