@@ -97,7 +97,7 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
     t0 = time.perf_counter()
     for name in files:
         _sha256(os.path.join(out_dir, name))
-    stages["sha256"] = time.perf_counter() - t0
+    stages["sha256 (sequential)"] = time.perf_counter() - t0
     shutil.rmtree(out_dir)
     return stages
 
@@ -111,6 +111,7 @@ def run(args) -> dict:
     import jax
 
     from models.tokenizer import build_task_tokenizer
+    from rl.checkpoint import restore_params
     from rl.param_server import ParamServer
     from rl.rollout.jax_engine import JaxEngine
 
@@ -125,14 +126,21 @@ def run(args) -> dict:
         print(f"checkpoint of {config.num_params / 1e6:.1f} M params: {took:.1f} s")
         ckpt_dir = os.path.join(root, "checkpoints")
         tok_dir = build_task_tokenizer(os.path.join(root, "tokenizer"))
-        server = ParamServer(os.path.join(root, "weights"), config, tokenizer_dir=tok_dir, keep=2)
+        server = ParamServer(
+            os.path.join(root, "weights"),
+            config,
+            tokenizer_dir=tok_dir,
+            keep=2,
+            max_shard_bytes=args.max_shard_mb * 10**6,
+        )
 
         stages = breakdown(server, ckpt_dir, os.path.join(root, "breakdown"))
         total = sum(stages.values())
         print("one publication by stage: " + ", ".join(f"{k} {v:.3f} s" for k, v in stages.items()))
         print(f"  (sum {total:.3f} s)")
 
-        publish_s, copy_s, reload_s, vllm_s = [], [], [], []
+        publish_s, copy_s, reload_s, vllm_s, memory_s = [], [], [], [], []
+        host_params = restore_params(ckpt_dir)  # what the trainer publishes: params in memory
         nbytes = 0
         engine = JaxEngine(learner.model, version=0)
         del learner  # the engine holds its own copy
@@ -147,13 +155,16 @@ def run(args) -> dict:
                 c, copied = copy_weights(r.path, os.path.join(root, "copy"))
                 copy_s.append(c)
                 version += 1
+                memory_s.append(server.publish(version, params=host_params).write_s)
+                version += 1
                 r2 = server.publish(version, {"jax": engine}, checkpoint_dir=ckpt_dir)
                 if r2.errors:
                     raise RuntimeError(f"JaxEngine reload failed: {r2.errors}")
                 reload_s.append(r2.reload_s)
                 line = (
                     f"repeat {rep}: publish {publish_s[-1]:.3f} s (restore {r.restore_s:.3f}, "
-                    f"write {r.write_s:.3f}), copy {c:.3f} s ({copied / 2**20:.1f} MiB), "
+                    f"write {r.write_s:.3f}), from memory {memory_s[-1]:.3f} s, "
+                    f"copy {c:.3f} s ({copied / 2**20:.1f} MiB), "
                     f"JaxEngine reload {r2.reload_s:.3f} s"
                 )
                 if vllm_engine is not None:
@@ -167,13 +178,20 @@ def run(args) -> dict:
         finally:
             if vllm_engine is not None:
                 vllm_engine.close()
-        p, c = _median(publish_s), _median(copy_s)
+        p, c, m = _median(publish_s), _median(copy_s), _median(memory_s)
         print(
             f"median of {args.repeats}: publish {p:.3f} s ({nbytes / p / 2**30:.2f} GiB/s), "
-            f"copy {c:.3f} s ({nbytes / c / 2**30:.2f} GiB/s), ratio {p / c:.2f}; "
-            f"publish + JaxEngine reload {p + _median(reload_s):.3f} s"
+            f"copy {c:.3f} s ({nbytes / c / 2**30:.2f} GiB/s), ratio {p / c:.2f}; from memory "
+            f"{m:.3f} s (ratio {m / c:.2f}); + JaxEngine reload {_median(reload_s):.3f} s"
         )
-        out = dict(publish_s=p, copy_s=c, ratio=p / c, reload_s=_median(reload_s))
+        out = dict(
+            publish_s=p,
+            copy_s=c,
+            ratio=p / c,
+            memory_s=m,
+            memory_ratio=m / c,
+            reload_s=_median(reload_s),
+        )
         if vllm_s:
             out["vllm_reload_s"] = _median(vllm_s)
         return out
@@ -202,6 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", choices=PRESETS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-mb", type=int, default=2000, help="ParamServer shard size (1e6 B)")
     p.add_argument("--vllm", action="store_true", help="also time a vLLM host's reload")
     p.add_argument("--vllm-ready-s", type=float, default=600.0, help="vLLM startup deadline")
     p.add_argument("--root", help="work directory (default: a temp dir, removed at the end)")

@@ -13,6 +13,7 @@ before loading. Retention keeps the newest `keep` directories plus every one an 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -120,11 +121,11 @@ class ParamServer:
                 json.dump(hf, f, indent=2)
                 f.flush()
                 os.fsync(f.fileno())
-        names = sorted(set(files) | set(os.listdir(tmp)))
-        manifest = {
-            "version": version,
-            "files": {n: _sha256(os.path.join(tmp, n)) for n in names if n != MANIFEST},
-        }
+        names = sorted((set(files) | set(os.listdir(tmp))) - {MANIFEST})
+        # Shards hash in parallel (hashlib releases the GIL): many-core hosts, multi-shard models.
+        with concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(lambda n: _sha256(os.path.join(tmp, n)), names))
+        manifest = {"version": version, "files": dict(zip(names, digests))}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
