@@ -1,9 +1,9 @@
 """python -m launch.bench async: the real trainer, synchronous vs fully async, same samples.
 
-Both runs use one config (tiny model, the long-tailed synthetic task `longtail`, no supervised
-stage, trainer.pin_cores: the rollout engine in a child process pinned to --rollout-cores, this
-learner process pinned to the remaining cores), so they compare like with like. The sync run
-(eta 0) gives
+Both runs use one config (tiny model, bfloat16 compute by default, the long-tailed synthetic
+task `longtail`, no supervised stage, trainer.pin_cores: the rollout engine in a child process
+pinned to --rollout-cores, this learner process pinned to the remaining cores), so they compare
+like with like. The sync run (eta 0) gives
   G  generation busy time, measured inside the rollout process (union of generate calls), and
   T  learner busy time: train step + weight sync (timing/train_step + timing/weight_sync),
 and the ideal async bound (G + T) / max(G, T): generation and training fully overlapped.
@@ -15,10 +15,13 @@ to the completion of update W + K (K = --updates), so each covers K updates of
 prompts * group samples. G and T are summed over the same window of the sync run. Before each
 run the rollout process compiles every generation-length bucket of the task, so a rare long
 batch does not compile inside the window, and all runs share a persistent compilation cache.
-The final update (with its evaluation) is outside the window.
+The final update (with its evaluation) is outside the window. With --repeats R the rounds
+(sync, then async) alternate, so a change in machine load hits both modes; the RESULT uses the
+sums over rounds (times are per run).
 
-Prints per-run figures, then `RESULT sync_s=... async_s=... speedup=... ideal=...
-frac_of_ideal=...` (the first --partial policy; the others add suffixed keys).
+Prints per-run figures (with the load average at each run's start), then `RESULT sync_s=...
+async_s=... speedup=... ideal=... frac_of_ideal=...` (the first --partial policy; the others
+add suffixed keys).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ class RunTiming:
 def _overrides(args, mode: str, partial: str) -> list[str]:
     ppu, group = args.prompts, args.group
     return [
-        f"name=bench-async-{mode}-{partial}",
         "model.preset=tiny",
+        f"model.dtype={args.dtype}",
         "task.name=longtail",
         f"task.num_eval={args.num_eval}",
         f"task.options={{min_tokens: {args.min_tokens}, max_tokens: {args.max_tokens}, "
@@ -110,12 +113,13 @@ def _warm_engine(engine, trainer, args) -> None:
         prev = b
 
 
-def run_once(args, mode: str, partial: str, run_root: str) -> RunTiming:
+def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> RunTiming:
     """Runs the real trainer in one mode; returns its steady-state window figures."""
     from rl import config as C
     from rl.trainer import Trainer
 
-    cfg = C.load(None, _overrides(args, mode, partial) + [f"run_root={run_root}"])
+    name = f"name=bench-async-{mode}-{partial}-r{round_}"
+    cfg = C.load(None, _overrides(args, mode, partial) + [f"run_root={run_root}", name])
     trainer = Trainer(cfg)
     engines: list = []
     make_engine = trainer.make_engine
@@ -203,7 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--updates", type=int, default=12, help="timed updates K per run")
     p.add_argument("--prompts", type=int, default=8, help="prompts (groups) per update")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--group", type=int, default=4, help="samples per prompt")
     p.add_argument("--eta", type=int, default=2, help="max_staleness of the async run")
     p.add_argument(
         "--partial", default="drain", help="async in-flight policy: drain, continue or both"
@@ -218,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--learner-cores", type=int, nargs="*", default=[])
     p.add_argument("--deadline", type=float, default=600.0, help="trainer.deadline_s")
     p.add_argument("--run-root", help="where run directories go (default: a temp dir)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of (sync, async) runs")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype"
+    )
     return p
 
 
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(x not in ("drain", "continue") for x in partials):
         print(f"--partial={args.partial!r}: valid: drain, continue, both", file=sys.stderr)
         return 2
-    for name in ("updates", "prompts", "group", "min_tokens", "max_tokens"):
+    for name in ("updates", "prompts", "group", "min_tokens", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
@@ -241,47 +249,66 @@ def main(argv: list[str] | None = None) -> int:
     pin_learner(split.learner)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     print(
-        f"async bench: tiny model, longtail budgets Pareto({args.alpha}) in "
+        f"async bench: tiny model ({args.dtype}), longtail budgets Pareto({args.alpha}) in "
         f"[{args.min_tokens}, {args.max_tokens}], {args.prompts} prompts x {args.group} samples "
-        f"per update, K={args.updates} timed updates after W={args.warmup}; rollout cores "
-        f"{list(split.rollout)}, learner cores {list(split.learner)}; eta={args.eta}",
+        f"per update, K={args.updates} timed updates after W={args.warmup}, {args.repeats} "
+        f"round(s); rollout cores {list(split.rollout)}, learner cores {list(split.learner)}; "
+        f"async eta={args.eta}",
         flush=True,
     )
     run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")
     _share_compile_cache(os.path.join(run_root, "jit_cache"))
-    load = _loadavg()
-    sync = run_once(args, "sync", "drain", run_root)
-    _print_run(sync, load)
-    G, T = sync.gen_busy_s, sync.train_s + sync.sync_s
+    syncs: list[RunTiming] = []
+    asyncs: dict[str, list[RunTiming]] = {p: [] for p in partials}
+    for r in range(args.repeats):  # rounds alternate the modes, so load drift hits both
+        load = _loadavg()
+        sync = run_once(args, "sync", "drain", run_root, r)
+        syncs.append(sync)
+        _print_run(sync, load)
+        for partial in partials:
+            load = _loadavg()
+            a = run_once(args, "async", partial, run_root, r)
+            asyncs[partial].append(a)
+            _print_run(a, load)
+            ideal_r = _ideal(sync)
+            print(
+                f"round {r}: async ({partial}) speedup {sync.wall_s / a.wall_s:.3f}, ideal "
+                f"{ideal_r:.3f}, {sync.wall_s / a.wall_s / ideal_r:.1%} of ideal",
+                flush=True,
+            )
+    G = sum(s.gen_busy_s for s in syncs)
+    T = sum(s.train_s + s.sync_s for s in syncs)
+    sync_total = sum(s.wall_s for s in syncs)
     ideal = (G + T) / max(G, T)
+    n = args.repeats
     print(
-        f"sync: G={G:.2f}s T={T:.2f}s (G/T={G / T:.2f}), other={sync.wall_s - G - T:.2f}s, "
-        f"ideal async bound (G+T)/max(G,T)={ideal:.3f}",
+        f"sync (all rounds): G={G / n:.2f}s T={T / n:.2f}s per run (G/T={G / T:.2f}), other="
+        f"{(sync_total - G - T) / n:.2f}s; ideal async bound (G+T)/max(G,T)={ideal:.3f}",
         flush=True,
     )
-    result = {"sync_s": sync.wall_s}
+    result = {"sync_s": sync_total / n}
     for i, partial in enumerate(partials):
-        load = _loadavg()
-        a = run_once(args, "async", partial, run_root)
-        _print_run(a, load)
-        speedup = sync.wall_s / a.wall_s
+        async_total = sum(a.wall_s for a in asyncs[partial])
+        speedup = sync_total / async_total
         print(
-            f"async ({partial}): {a.wall_s:.2f}s vs sync {sync.wall_s:.2f}s: speedup "
-            f"{speedup:.3f}, ideal {ideal:.3f}, {speedup / ideal:.1%} of ideal",
+            f"async ({partial}): {async_total / n:.2f}s vs sync {sync_total / n:.2f}s per run: "
+            f"speedup {speedup:.3f}, ideal {ideal:.3f}, {speedup / ideal:.1%} of ideal",
             flush=True,
         )
         sfx = "" if i == 0 else f"_{partial}"
-        result.update(
-            {
-                f"async_s{sfx}": a.wall_s,
-                f"speedup{sfx}": speedup,
-                **({"ideal": ideal} if i == 0 else {}),
-                f"frac_of_ideal{sfx}": speedup / ideal,
-            }
-        )
-    result.update(G_s=G, T_s=T, load1=float(_loadavg().split()[0]))
+        result[f"async_s{sfx}"] = async_total / n
+        result[f"speedup{sfx}"] = speedup
+        if i == 0:
+            result["ideal"] = ideal
+        result[f"frac_of_ideal{sfx}"] = speedup / ideal
+    result.update(G_s=G / n, T_s=T / n, load1=float(_loadavg().split()[0]))
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
     return 0
+
+
+def _ideal(sync: RunTiming) -> float:
+    G, T = sync.gen_busy_s, sync.train_s + sync.sync_s
+    return (G + T) / max(G, T)
 
 
 if __name__ == "__main__":

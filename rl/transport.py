@@ -9,18 +9,18 @@ same split, so their wall clocks compare like with like.
 
 Pinning must happen before JAX initialises its backend (the first `jax.devices()` or
 computation): XLA sizes its thread pool from the cores the process may use at that moment.
-`python -m launch.train` and `python -m launch.bench async` call `pin_learner` first thing;
-a program that builds a Trainer itself should call `pin_learner(core_split(cfg).learner)`
-before touching JAX. Pinning later still moves every thread, but the pool keeps its size.
+`Trainer.__init__` pins before its first `jax.devices()`, which covers `python -m launch.train`
+(nothing initialises the backend earlier); `python -m launch.bench async` pins first thing. A
+program that touches JAX before building the Trainer should call
+`pin_learner(split_of(cfg.trainer).learner)` before that. Pinning later still moves every
+thread, but the pool keeps its size. (XLA's `--xla_cpu_multi_thread_eigen=false` on a pinned
+one-core process made no measurable difference here: the pool already has one thread.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-
-# XLA flags of a process pinned to one core: Eigen kernels run on the calling thread.
-ONE_CORE_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,17 +103,6 @@ def pin_threads(cores: tuple[int, ...] | list[int]) -> None:
     os.sched_setaffinity(0, cores)
 
 
-def one_core_xla_flags(flags: str) -> str:
-    """XLA_FLAGS with the one-core settings added (existing flags kept)."""
-    parts = flags.split()
-    for f in ONE_CORE_XLA_FLAGS:
-        if not any(p.split("=")[0] == f.split("=")[0] for p in parts):
-            parts.append(f)
-    return " ".join(parts)
-
-
 def pin_learner(cores: tuple[int, ...] | list[int]) -> None:
     """Pins the learner (this) process to `cores`; call before JAX initialises its backend."""
     pin_threads(cores)
-    if len(cores) == 1:
-        os.environ["XLA_FLAGS"] = one_core_xla_flags(os.environ.get("XLA_FLAGS", ""))
