@@ -73,15 +73,20 @@ def make_checkpoint(preset: str, root: str, seed: int = 0):
 
 
 def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
-    """One publication's stages timed alone (seconds): restore, convert, write, sha256."""
+    """One publication's stages timed alone (seconds), done as ParamServer.write does them."""
+    import concurrent.futures
+
     from models.hf import save_hf_tensors, to_hf_tensors
     from rl.checkpoint import restore_params
-    from rl.param_server import _sha256
+    from rl.param_server import _sha256, _workers, host_params_hf_layout
 
     stages = {}
     t0 = time.perf_counter()
     params = restore_params(checkpoint_dir)
     stages["restore"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    params = host_params_hf_layout(params)
+    stages["transposes"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     tensors = to_hf_tensors(server.config, params, dtype=server.dtype)
     stages["convert"] = time.perf_counter() - t0
@@ -95,9 +100,9 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
     )
     stages["write+fsync"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for name in files:
-        _sha256(os.path.join(out_dir, name))
-    stages["sha256 (sequential)"] = time.perf_counter() - t0
+    with concurrent.futures.ThreadPoolExecutor(min(len(files), _workers())) as pool:
+        list(pool.map(lambda n: _sha256(os.path.join(out_dir, n)), files))
+    stages[f"sha256 ({len(files)} files)"] = time.perf_counter() - t0
     shutil.rmtree(out_dir)
     return stages
 
@@ -220,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", choices=PRESETS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-shard-mb", type=int, default=2000, help="ParamServer shard size (1e6 B)")
+    p.add_argument("--max-shard-mb", type=int, default=500, help="ParamServer shard size (1e6 B)")
     p.add_argument("--vllm", action="store_true", help="also time a vLLM host's reload")
     p.add_argument("--vllm-ready-s", type=float, default=600.0, help="vLLM startup deadline")
     p.add_argument("--root", help="work directory (default: a temp dir, removed at the end)")

@@ -21,6 +21,10 @@ import os
 import shutil
 import time
 
+import jax
+import numpy as np
+from flax import nnx
+
 from models.config import ModelConfig
 from models.hf import save_hf_tensors, to_hf_tensors
 from rl.checkpoint import restore_params
@@ -42,6 +46,33 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def host_params_hf_layout(params) -> dict:
+    """The params as host numpy arrays (a pure dict), every 2-D kernel stored in HF (out, in) order.
+
+    Each kernel is copied into a C-contiguous (out, in) array by a thread pool (numpy's copies
+    release the GIL) and handed on as its (in, out) transposed view, so to_hf_tensors' transpose
+    is a free view: the conversion's main cost, one strided copy per kernel, runs on every core.
+    """
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    host = jax.device_get([x for _, x in leaves])  # one batched transfer off the devices
+
+    def hf_order(path, x):
+        x = np.asarray(x)
+        if getattr(path[-1], "key", None) == "kernel" and x.ndim == 2:
+            return np.ascontiguousarray(x.T).T
+        return x
+
+    with concurrent.futures.ThreadPoolExecutor(_workers()) as pool:
+        out = list(pool.map(hf_order, [path for path, _ in leaves], host))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def version_dir(weights_dir: str, version: int) -> str:
@@ -84,7 +115,7 @@ class ParamServer:
         tokenizer_dir: str | None = None,
         keep: int = 3,
         dtype: str | None = None,
-        max_shard_bytes: int = 2 * 10**9,
+        max_shard_bytes: int = 5 * 10**8,  # several shards hash in parallel
         hf_overrides: dict | None = None,
     ):
         self.weights_dir = os.path.abspath(weights_dir)
@@ -104,7 +135,7 @@ class ParamServer:
         tmp = final + ".tmp"
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
-        tensors = to_hf_tensors(self.config, params, dtype=self.dtype)
+        tensors = to_hf_tensors(self.config, host_params_hf_layout(params), dtype=self.dtype)
         files = save_hf_tensors(
             self.config,
             tensors,
@@ -123,7 +154,7 @@ class ParamServer:
                 os.fsync(f.fileno())
         names = sorted((set(files) | set(os.listdir(tmp))) - {MANIFEST})
         # Shards hash in parallel (hashlib releases the GIL): many-core hosts, multi-shard models.
-        with concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(len(names), _workers())) as pool:
             digests = list(pool.map(lambda n: _sha256(os.path.join(tmp, n)), names))
         manifest = {"version": version, "files": dict(zip(names, digests))}
         with open(os.path.join(tmp, MANIFEST), "w") as f:

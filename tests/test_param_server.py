@@ -115,6 +115,13 @@ def test_publish_from_checkpoint_loads_in_transformers(tmp_path, trained):
     print(f"transformers vs learner logits: max |diff| = {np.abs(theirs - ours).max():.2e}")
     np.testing.assert_allclose(theirs, ours, atol=1e-5, rtol=0)
 
+    # The trainer's path (the learner's live nnx.State, no checkpoint) writes the same bytes.
+    live = ps.publish(UPDATES + 1, params=trained["learner"].params())
+    with open(os.path.join(live.path, MANIFEST)) as f:
+        live_files = json.load(f)["files"]
+    for name in shards:
+        assert live_files[name] == manifest["files"][name], name
+
 
 def test_latest_names_the_newest_version(tmp_path, trained):
     ps = _server(tmp_path, trained)
