@@ -269,15 +269,11 @@ class JaxEngine:
         n_gen = np.ones(B, np.int32)
         done = (tok_np[:, None] == stop_BS).any(-1) | (maxnew <= 1)
         done[n:] = True
-        carry = (
-            cache,
-            tok,
-            jnp.asarray(lengths),
-            n_gen,
-            done,
-            out_tok,
-            out_lp,
-            jnp.zeros((), jnp.int32),
+        # Every leaf committed to the engine's device, like the decode outputs fed back in: a mix
+        # of host and device arrays is a different jit signature (a second trace and compile).
+        carry = jax.device_put(
+            (cache, tok, lengths, n_gen, done, out_tok, out_lp, np.zeros((), np.int32)),
+            self.device,
         )
         aborted = False
         while not bool(np.all(np.asarray(carry[4]))):
