@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from models import create_model, make_mesh, tiny
+from models.sharding import shard_model
 from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
@@ -106,7 +107,8 @@ def test_behavior_logprobs_equal_learner_logprobs(model, engine, tok, temperatur
 
 
 def test_same_bucket_does_not_retrace(model):
-    eng = JaxEngine(model, chunk=4)
+    # As in a training run: the engine copies the weights of a model on the learner's mesh.
+    eng = JaxEngine(shard_model(model, make_mesh(devices=jax.devices()[:1])), chunk=4)
     eng.generate([_req(f"a{i}", _prompt(i, 5 + 2 * i), max_new_tokens=6, seed=i) for i in range(3)])
     assert eng.traces == 2  # prefill + decode
     # 4 rows (batch bucket 4), prompts 3..12 (bucket 16), budgets <= 16, other sampling params
