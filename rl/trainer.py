@@ -298,8 +298,13 @@ class Trainer:
         self.param_server.engine_versions["vllm"] = version
         return engine
 
-    def publish(self, engine, version: int) -> float:
-        """Moves the rollout engine to the learner's weights at `version`; returns seconds."""
+    def publish(self, engine, version: int, on_served=None, on_error=None) -> float:
+        """Moves the rollout engine to the learner's weights at `version`; returns seconds.
+
+        on_served (ProcessEngine only): return once the weights are sent and call
+        on_served(version) when the engine serves them (on_error(exc) if it cannot), so the
+        learner need not wait while a `drain` finishes the in-flight batch.
+        """
         t0 = time.perf_counter()
         if self.cfg.rollout.engine == "vllm":
             result = self.param_server.publish(
@@ -310,10 +315,12 @@ class Trainer:
                     f"weight publication of version {version} failed: {result.errors}"
                 )
         else:
+            extra = {"on_served": on_served, "on_error": on_error} if on_served else {}
             engine.update_weights(
                 version,
                 params=self.learner.params(),
                 interrupt=self.cfg.trainer.partial == "continue",
+                **extra,
             )
         return time.perf_counter() - t0
 
@@ -535,8 +542,11 @@ class Trainer:
                     new_version % cfg.trainer.sync_every == 0
                     or new_version == cfg.trainer.total_updates
                 ):
-                    t_sync = self.publish(engine, new_version)
-                    coord.publish(new_version)
+                    if isinstance(engine, ProcessEngine):  # published when the child serves it
+                        t_sync = self.publish(engine, new_version, coord.publish, buffer.fail)
+                    else:
+                        t_sync = self.publish(engine, new_version)
+                        coord.publish(new_version)
                 row = self._update_metrics(
                     groups, batch, met, version, t_wait, t_sync, stats, last, buffer, coord
                 )

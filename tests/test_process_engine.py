@@ -2,6 +2,7 @@
 log-probs, serves new weights after update_weights, returns 'abort' partials when an update
 interrupts it, and fails fast and clearly when its process dies."""
 
+import json
 import os
 import signal
 import threading
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from models import create_model, tiny
 from rl.rollout.base import GenerationRequest, SamplingParams
@@ -121,6 +123,20 @@ def test_update_weights_changes_version_and_logprobs(models, engine, ref):
     _assert_same(engine.generate(REQS), before)
 
 
+def test_update_without_waiting_is_served_to_later_generates(models, engine, ref):
+    """on_served: update_weights returns at once; a generate sent after it sees the new weights
+    (the child serves in message order) and on_served(version) comes once they are installed."""
+    old, new = models
+    served = []
+    engine.update_weights(7, params=nnx.state(new, nnx.Param), on_served=served.append)
+    ref.update_weights(7, params=nnx.state(new, nnx.Param))
+    got, want = _both(engine, ref, REQS)
+    _assert_same(got, want)
+    assert served == [7] and engine.version == 7
+    engine.update_weights(0, params=nnx.state(old, nnx.Param))
+    ref.update_weights(0, params=nnx.state(old, nnx.Param))
+
+
 def test_interrupting_update_returns_abort_partials(models, engine):
     """An update with interrupt=True lands while the child generates: 'abort' partials."""
     reqs = _reqs(8, 2000, prefix="long")
@@ -158,12 +174,16 @@ def test_killed_child_raises_clear_error_within_deadline(models):
         t = threading.Thread(target=gen)
         t.start()
         time.sleep(0.5)
+        errors, served = [], []  # a drain update waits behind the generate, then the kill
+        new = nnx.state(models[1], nnx.Param)
+        eng.update_weights(1, params=new, on_served=served.append, on_error=errors.append)
         t0 = time.monotonic()
         os.kill(eng.pid, signal.SIGKILL)
         t.join(30)
         assert not t.is_alive() and time.monotonic() - t0 < 15
         msg = str(err["e"])
         assert "victim" in msg and str(eng.pid) in msg and "exit code -9" in msg, msg
+        assert not served and len(errors) == 1 and "exit code -9" in str(errors[0])
         with pytest.raises(RolloutProcessError, match="exit code -9"):
             eng.generate(reqs[:1])  # later calls fail at once
         eng.abort()  # shutdown paths stay quiet on a dead child
@@ -180,3 +200,67 @@ def test_core_split_validates():
         core_split([5], [], available=(0, 1))
     with pytest.raises(ValueError, match="share cores"):
         core_split([0], [0], available=(0, 1))
+
+
+# -- the trainer with pin_cores: the same numbers as in process, in every mode ----------------
+
+RUN = [
+    "task.name=longtail",
+    "task.options={min_tokens: 4, max_tokens: 12}",
+    "task.num_eval=4",
+    "sft.steps=0",
+    "rollout.prompts_per_update=2",
+    "rollout.group_size=4",
+    "rollout.batch_size=8",
+    "rollout.max_new_tokens=12",
+    "algorithm.filter_zero_advantage=false",
+    "trainer.total_updates=3",
+    "trainer.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "seed=5",
+]
+
+
+def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
+    """Sync with the rollout in a pinned process equals the in-process run (losses, rewards,
+    eval). The test process is unpinned afterwards. (Async with pin_cores: test_bench_async.)"""
+    from rl import config as C
+    from rl.trainer import train
+    from rl.transport import pin_threads
+
+    def run(name, *extra):
+        train(C.load(None, [*RUN, f"run_root={tmp_path}", f"name={name}", *extra]))
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            return {r["step"]: r for r in map(json.loads, f)}
+
+    cores = os.sched_getaffinity(0)
+    # The pinned run's rollout process loads the in-process run's programs from a disk cache.
+    cache = {
+        "jax_compilation_cache_dir": str(tmp_path / "jit_cache"),
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    old = {k: getattr(jax.config, k) for k in cache}
+    env = {k.upper(): os.environ.get(k.upper()) for k in cache}
+    for k, v in cache.items():
+        jax.config.update(k, v)
+        os.environ[k.upper()] = str(v)
+    compilation_cache.reset_cache()
+    try:
+        plain = run("plain")
+        pinned = run("pinned", "trainer.pin_cores=true")
+        assert os.sched_getaffinity(0) == cores - {0}  # the learner left core 0 to the rollout
+    finally:
+        pin_threads(cores)
+        for k, v in old.items():
+            jax.config.update(k, v)
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        compilation_cache.reset_cache()
+    assert sorted(plain) == sorted(pinned) == [0, 1, 2, 3]
+    for step in plain:
+        for key in ("loss/loss", "reward/mean", "episode/length", "eval/reward"):
+            if key in plain[step]:
+                assert pinned[step][key] == pytest.approx(plain[step][key], abs=1e-6), (step, key)
+    assert plain[3]["episode/length"] > 4  # ignore_eos budgets: longer than the minimum

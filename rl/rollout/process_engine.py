@@ -159,7 +159,14 @@ def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
     del flat
     send("ready", True, {"pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}, None)
 
-    def generate(mid, requests):
+    # Message order is the serving order: a generate waits until every weight update received
+    # before it is installed (the update thread may still be converting it, or draining).
+    order = {"received": 0, "installed": 0}
+    order_cv = threading.Condition()
+
+    def generate(mid, requests, after_updates):
+        with order_cv:
+            order_cv.wait_for(lambda: order["installed"] >= after_updates)
         busy.enter()
         tokens = 0
         try:
@@ -185,8 +192,14 @@ def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
                 tree = None if new is None else _fill(template, new)
                 engine.update_weights(v, path=path, params=tree, interrupt=interrupt)
             except BaseException:  # noqa: BLE001
+                with order_cv:
+                    order["installed"] += 1
+                    order_cv.notify_all()
                 send(mid, False, traceback.format_exc(), stats())
                 continue
+            with order_cv:
+                order["installed"] += 1
+                order_cv.notify_all()
             install["install_s"] += time.perf_counter() - t0
             install["updates"] += 1
             send(mid, True, time.perf_counter() - t0, stats())
@@ -199,8 +212,11 @@ def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
         except (EOFError, OSError):  # the parent is gone
             break
         if kind == "generate":
-            threading.Thread(target=generate, args=(mid, payload), daemon=True).start()
+            args = (mid, payload, order["received"])
+            threading.Thread(target=generate, args=args, daemon=True).start()
         elif kind == "update":
+            with order_cv:
+                order["received"] += 1
             updates.put((mid, payload))
         elif kind == "abort":
             engine.abort()
@@ -224,12 +240,13 @@ def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
 
 
 class _Pending:
-    __slots__ = ("event", "ok", "value")
+    __slots__ = ("event", "ok", "value", "callback")
 
-    def __init__(self):
+    def __init__(self, callback=None):
         self.event = threading.Event()
         self.ok = False
         self.value = None
+        self.callback = callback  # called as callback(ok, value) on the reader thread
 
 
 class ProcessEngine:
@@ -310,6 +327,8 @@ class ProcessEngine:
             if p is not None:
                 p.ok, p.value = ok, value
                 p.event.set()
+                if p.callback is not None:
+                    self._call(p.callback, ok, value)
         self.process.join(timeout=5)
         code = self.process.exitcode
         why = "closed" if self._closed else f"died (exit code {code})"
@@ -319,9 +338,19 @@ class ProcessEngine:
             self._pending.clear()
         for p in waiting:
             p.event.set()
+            if p.callback is not None:
+                self._call(p.callback, False, None)
 
-    def _send(self, kind: str, payload=None) -> _Pending:
-        p = _Pending()
+    @staticmethod
+    def _call(callback, ok, value) -> None:
+        """Runs a completion callback; its errors are printed, never kill the reader thread."""
+        try:
+            callback(ok, value)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+
+    def _send(self, kind: str, payload=None, callback=None) -> _Pending:
+        p = _Pending(callback)
         with self._lock:
             if self._dead:
                 raise RolloutProcessError(f"{self._dead}; cannot {kind}")
@@ -354,22 +383,58 @@ class ProcessEngine:
         return self._wait(self._send("generate", list(requests)), "generate", self.deadline_s)
 
     def update_weights(
-        self, version: int, path: str | None = None, params=None, *, interrupt: bool = False
+        self,
+        version: int,
+        path: str | None = None,
+        params=None,
+        *,
+        interrupt: bool = False,
+        on_served=None,
+        on_error=None,
     ) -> None:
-        """Sends new weights (params tree or HF directory); returns once the child serves them."""
+        """Sends new weights (params tree or HF directory) to the child.
+
+        Without on_served, returns once the child serves them. With on_served, returns once
+        they are sent (a host copy is taken first, so the caller may donate its buffers) and
+        calls on_served(version) when the child serves them, or on_error(exception) if it
+        cannot (both on the reader thread). Either way later generate() calls use them.
+        """
         if params is None and path is None:
             raise ValueError("update_weights needs params or path")
         t0 = time.perf_counter()
         flat = None if params is None else flat_params(params)
         t1 = time.perf_counter()
-        p = self._send("update", (version, path, flat, interrupt))
-        t2 = time.perf_counter()
-        install = self._wait(p, f"update_weights to version {version}", self.deadline_s)
-        self.version = version
-        t3 = time.perf_counter()
-        self.sync_times.append(
-            {"flatten_s": t1 - t0, "send_s": t2 - t1, "install_s": install, "total_s": t3 - t0}
-        )
+        sent = [t1]  # when the send returned (set below; an ack may come first)
+        what = f"update_weights to version {version}"
+
+        def record(install_s: float) -> None:
+            self.version = version
+            self.sync_times.append(
+                {
+                    "flatten_s": t1 - t0,
+                    "send_s": sent[0] - t1,
+                    "install_s": install_s,
+                    "total_s": time.perf_counter() - t0,
+                }
+            )
+
+        callback = None
+        if on_served is not None:
+
+            def callback(ok, value):
+                if ok:
+                    record(value)
+                    on_served(version)
+                    return
+                why = self._dead if value is None else f"{self._describe()} failed {what}:\n{value}"
+                err = RolloutProcessError(f"{why} during {what}" if value is None else why)
+                if on_error is not None:
+                    on_error(err)
+
+        p = self._send("update", (version, path, flat, interrupt), callback)
+        sent[0] = time.perf_counter()
+        if on_served is None:
+            record(self._wait(p, what, self.deadline_s))
 
     def abort(self) -> None:
         """Makes in-flight and later generate() calls return 'abort' partials, until resume()."""
