@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -64,7 +65,8 @@ def served(tmp_path_factory):
     """One vLLM host serving version 0 of a fresh learner (the trainer's model shape)."""
     root = str(tmp_path_factory.mktemp("vllm_train"))
     trainer = Trainer(
-        _config(f"sft.steps={K}", "sft.batch_size=32"), run_dir=os.path.join(root, "learner")
+        _config(f"sft.steps={K}", "sft.batch_size=32", "rollout.temperature=1.0"),
+        run_dir=os.path.join(root, "learner"),
     )
     server = ParamServer(
         os.path.join(root, "weights"),
@@ -126,9 +128,13 @@ def _episodes(seqs: list[list[int]], prompt_lens: list[int]) -> list[Episode]:
     return eps
 
 
-def _learner_scores(trainer: Trainer, seqs: list[list[int]], start: list[int]) -> list[np.ndarray]:
-    """The learner's log p(s_t | s_<t) for t >= start[i] of each sequence (temperature 1)."""
-    assert trainer.learner.step_cfg.temperature == 1.0
+def _learner_scores(
+    trainer: Trainer, seqs: list[list[int]], start: list[int], temperature: float = 1.0
+) -> list[np.ndarray]:
+    """The learner's log p(s_t | s_<t) under softmax(logits / T), t >= start[i] of each sequence."""
+    learner = trainer.learner
+    if learner.step_cfg.temperature != temperature:
+        learner.set_step_cfg(dataclasses.replace(learner.step_cfg, temperature=temperature))
     lp_BT = trainer.learner.logprobs(make_batch(_episodes(seqs, start), np.zeros(len(seqs))))
     return [lp_BT[i, s - 1 : len(seq) - 1] for i, (seq, s) in enumerate(zip(seqs, start))]
 
@@ -138,13 +144,13 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-def _generate(engine: VLLMEngine, trainer: Trainer, tag: str):
+def _generate(engine: VLLMEngine, trainer: Trainer, tag: str, temperature: float = 1.0):
     prompts = [trainer.tokenizer.encode(p.prompt) for p in trainer.eval_problems[:N_SEQ]]
     reqs = [
         GenerationRequest(
             f"{tag}-{i}",
             np.asarray(p, np.int32),
-            SamplingParams(max_new_tokens=12, temperature=1.0, seed=100 + i),
+            SamplingParams(max_new_tokens=12, temperature=temperature, seed=100 + i),
         )
         for i, p in enumerate(prompts)
     ]
@@ -178,22 +184,26 @@ def test_publish_from_checkpoint_reloads_the_learners_weights(served):
     assert _weight_version(url) == str(K) and engine.version == K
     d_reloaded = _max_diff(_vllm_scores(url, seqs), learner_K)
 
-    # Tokens generated now carry version K; their behavior log-probs are the learner's.
-    prompts, gens = _generate(engine, trainer, "vK")
-    assert all((g.versions == K).all() for g in gens)
-    gen_seqs = [list(p) + g.token_ids.tolist() for p, g in zip(prompts, gens)]
-    learner_gen = _learner_scores(trainer, gen_seqs, [len(p) for p in prompts])
-    d_gen = _max_diff([g.logprobs.astype(np.float64) for g in gens], learner_gen)
+    # Tokens generated now carry version K; their behavior log-probs are the learner's at the
+    # sampling temperature.
+    d_gen = {}
+    for temperature in (1.0, 0.6):
+        prompts, gens = _generate(engine, trainer, f"vK-{temperature}", temperature)
+        assert all((g.versions == K).all() for g in gens)
+        gen_seqs = [list(p) + g.token_ids.tolist() for p, g in zip(prompts, gens)]
+        starts = [len(p) for p in prompts]
+        learner_gen = _learner_scores(trainer, gen_seqs, starts, temperature)
+        d_gen[temperature] = _max_diff([g.logprobs.astype(np.float64) for g in gens], learner_gen)
 
     print(
         f"max |vLLM - learner| log-prob: v0 {d_v0:.2e}; after {K} updates before the reload "
         f"{d_stale:.2e}; after the reload {d_reloaded:.2e} (fixed sequences), "
-        f"{d_gen:.2e} (generated tokens); publish {result.restore_s + result.write_s:.2f} s, "
-        f"reload {result.reload_s:.2f} s"
+        f"{d_gen[1.0]:.2e} / {d_gen[0.6]:.2e} (generated at T=1 / 0.6); publish "
+        f"{result.restore_s + result.write_s:.2f} s, reload {result.reload_s:.2f} s"
     )
     assert d_v0 < TOL
     assert d_stale > 1e-2  # the learner moved: the old weights are measurably different
-    assert d_reloaded < TOL and d_gen < TOL
+    assert d_reloaded < TOL and max(d_gen.values()) < TOL
 
 
 def _eval_rewards(run_dir: str) -> list[tuple[int, float]]:
