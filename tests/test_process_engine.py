@@ -191,6 +191,15 @@ def test_killed_child_raises_clear_error_within_deadline(models):
         eng.close()
 
 
+def test_child_dying_at_startup_raises_clear_error(models):
+    """A child that cannot start (XLA aborts on an unknown flag) is an error naming it and its
+    exit code, within seconds, never a hang."""
+    t0 = time.monotonic()
+    with pytest.raises(RolloutProcessError, match=r"'doomed'.*died \(exit code"):
+        ProcessEngine(models[0], xla_flags="--no_such_xla_flag=1", deadline_s=60, name="doomed")
+    assert time.monotonic() - t0 < 30
+
+
 def test_core_split_validates():
     assert core_split([0], [], available=(0, 1)).learner == (1,)
     assert core_split([1], [0], available=(0, 1, 2)).learner == (0,)

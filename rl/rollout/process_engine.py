@@ -120,7 +120,7 @@ class _Busy:
             }
 
 
-def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
+def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
     """Entry point of the rollout process: pin, then import JAX, then serve commands."""
     # Its own session, as a separately launched engine server would be: Linux's autogroup
     # scheduler gives each session one fair share of a busy machine, and in the trainer's
@@ -147,6 +147,10 @@ def _child_main(conn, config, flat, version, cores, engine_kwargs, xla_flags):
     def stats() -> dict:
         return {**busy.snapshot(), **install, "pid": os.getpid()}
 
+    try:
+        kind, flat = conn.recv()  # the initial params come over the pipe, not as spawn args
+    except (EOFError, OSError):
+        return
     try:
         abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
         graphdef, template = nnx.split(abstract, nnx.Param)
@@ -285,9 +289,12 @@ class ProcessEngine:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         kwargs = dict(chunk=chunk, max_batch=max_batch, deadline_s=deadline_s)
+        # Spawn arguments stay small: the spawn pipe is written before the child runs, and a
+        # child that died while it was full would block Process.start() forever. The params
+        # follow over the connection, which fails fast (EPIPE) if the child is gone.
         self.process = ctx.Process(
             target=_child_main,
-            args=(child_conn, config, params, version, self.cores, kwargs, xla_flags),
+            args=(child_conn, config, version, self.cores, kwargs, xla_flags),
             name=name,
             daemon=True,
         )
@@ -296,7 +303,12 @@ class ProcessEngine:
         self._ready = _Pending()
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
-        info = self._wait(self._ready, "start", deadline_s)
+        threading.Thread(target=self._send_init, args=(params,), daemon=True).start()
+        try:
+            info = self._wait(self._ready, "start", deadline_s)
+        except RolloutProcessError:
+            self.close(timeout=5)
+            raise
         self.pid = self.process.pid
         self.child_cores = tuple(info["cores"])  # the affinity the child reports
 
@@ -340,6 +352,14 @@ class ProcessEngine:
             p.event.set()
             if p.callback is not None:
                 self._call(p.callback, False, None)
+
+    def _send_init(self, params) -> None:
+        """Sends the initial params (a thread: the start deadline bounds the wait, not this)."""
+        try:
+            with self._lock:
+                self._conn.send(("init", params))
+        except (OSError, ValueError):  # the child is gone: the reader reports how
+            pass
 
     @staticmethod
     def _call(callback, ok, value) -> None:
