@@ -591,11 +591,15 @@ def _long_request(tag: str, n: int = LONG):
 
 
 def start_long(side: Side, tag: str, n: int = LONG, **kwargs):
-    """Starts a long generate() in a thread; returns once the engine has sent it to vLLM."""
+    """Starts a long generate() in a thread; returns once the engine has sent it to vLLM.
+
+    On a loaded machine the poll may first run after the request already finished (box
+    filled): callers treat that as "finished before it could be interrupted".
+    """
     thread, box = run_in_thread(lambda: side.engine.generate(_long_request(tag, n), **kwargs))
     end = time.monotonic() + 30
-    while side.engine.inflight()[side.host.url] == 0:
-        assert time.monotonic() < end and not box, box
+    while side.engine.inflight()[side.host.url] == 0 and not box:
+        assert time.monotonic() < end, f"{tag}: the request never reached {side.host.url}"
         time.sleep(0.01)
     return thread, box
 
