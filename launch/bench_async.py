@@ -5,7 +5,8 @@ task `longtail`, no supervised stage, trainer.pin_cores: the rollout engine in a
 pinned to --rollout-cores, this learner process pinned to the remaining cores), so they compare
 like with like. The sync run (eta 0) gives
   G  generation busy time, measured inside the rollout process (union of generate calls), and
-  T  learner busy time: train step + weight sync (timing/train_step + timing/weight_sync),
+  T  learner busy time: train step + weight sync (timing/train_step + the time from the
+     learner's update_weights call to the rollout process serving the weights),
 and the ideal async bound (G + T) / max(G, T): generation and training fully overlapped.
 The async run uses max_staleness --eta and the --partial policy (drain, continue, or both).
 
@@ -16,12 +17,14 @@ prompts * group samples. G and T are summed over the same window of the sync run
 run the rollout process compiles every generation-length bucket of the task, so a rare long
 batch does not compile inside the window, and all runs share a persistent compilation cache.
 The final update (with its evaluation) is outside the window. With --repeats R the rounds
-(sync, then async) alternate, so a change in machine load hits both modes; the RESULT uses the
-sums over rounds (times are per run).
+(sync, then async) alternate, so a change in machine load hits both modes; each round gives its
+own speedup and ideal (from its own sync run), and the RESULT holds the medians over rounds.
+Each run also reports the CPU time each process got while busy (cpu/busy): well below 100% means
+other processes on the machine took its core, and the run measured the machine, not the overlap.
 
 Prints per-run figures (with the load average at each run's start), then `RESULT sync_s=...
-async_s=... speedup=... ideal=... frac_of_ideal=...` (the first --partial policy; the others
-add suffixed keys).
+async_s=... speedup=... ideal=... frac_of_ideal=... G_s=... T_s=...` (the first --partial
+policy; the others add suffixed keys).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -46,12 +50,15 @@ class RunTiming:
     wall_s: float  # window wall time
     gen_busy_s: float  # rollout process generation busy time in the window
     train_s: float  # sum of timing/train_step in the window
-    sync_s: float  # sum of timing/weight_sync in the window
+    sync_s: float  # learner-side weight sync in the window (timing/weight_sync: copy + send)
+    transfer_s: float  # weight sync from the update_weights call to the served ack
     wait_s: float  # sum of timing/wait_data (learner idle for data) in the window
     total_s: float  # the whole RL loop, fill and final update included
     staleness_max: float
     partial_ratio: float
     weight_transfer_s: float  # mean ProcessEngine.update_weights total (flatten+send+install)
+    learner_cpu_s: float  # CPU time of this (learner) process in the window, all threads
+    rollout_cpu_s: float  # CPU time of the rollout process in the window
 
 
 def _overrides(args, mode: str, partial: str) -> list[str]:
@@ -137,7 +144,12 @@ def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> R
     def log_with_busy(step, version, row):  # the child's counters as of this update's sync
         if engines:
             now = time.perf_counter()
-            snaps[step] = dict(engines[0].refresh_stats(), now=now)
+            snaps[step] = dict(
+                engines[0].refresh_stats(),
+                now=now,
+                learner_cpu=_cpu_seconds(os.getpid()),
+                rollout_cpu=_cpu_seconds(engines[0].pid),
+            )
         return log(step, version, row)
 
     trainer.writer.log = log_with_busy
@@ -157,6 +169,11 @@ def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> R
         gen_busy_s=snaps[w1]["busy_s"] - snaps[w0]["busy_s"],
         train_s=sum(r["timing/train_step"] for r in window),
         sync_s=sum(r["timing/weight_sync"] for r in window),
+        transfer_s=(  # full transfer, from the call to the served ack
+            sum(t["total_s"] for t in sync_times[w0:w1])
+            if len(sync_times) >= w1
+            else sum(r["timing/weight_sync"] for r in window)
+        ),
         wait_s=sum(r["timing/wait_data"] for r in window),
         total_s=summary["time/total"],
         staleness_max=max(r.get("staleness/max", 0.0) for r in window),
@@ -164,7 +181,16 @@ def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> R
         weight_transfer_s=(
             sum(s["total_s"] for s in sync_times) / len(sync_times) if sync_times else 0.0
         ),
+        learner_cpu_s=snaps[w1]["learner_cpu"] - snaps[w0]["learner_cpu"],
+        rollout_cpu_s=snaps[w1]["rollout_cpu"] - snaps[w0]["rollout_cpu"],
     )
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _share_compile_cache(path: str) -> None:
@@ -189,14 +215,16 @@ def _loadavg() -> str:
 
 
 def _print_run(t: RunTiming, load: str) -> None:
+    """One run's window: each side's busy time, utilisation and the core share it got."""
+    busy_l = t.train_s + t.sync_s
     print(
-        f"{t.mode:5s} partial={t.partial:8s} window={t.wall_s:7.2f}s  "
-        f"gen_busy={t.gen_busy_s:6.2f}s "
-        f"train={t.train_s:6.2f}s weight_sync={t.sync_s:5.2f}s learner_wait={t.wait_s:6.2f}s  "
-        f"rollout_util={t.gen_busy_s / t.wall_s:4.0%} learner_util="
-        f"{(t.train_s + t.sync_s) / t.wall_s:4.0%}  staleness_max={t.staleness_max:.0f} "
-        f"partial_ratio={t.partial_ratio:.2f} transfer={t.weight_transfer_s * 1e3:.1f}ms "
-        f"total={t.total_s:.1f}s  load=[{load}]",
+        f"{t.mode:5s} {t.partial:8s} window {t.wall_s:6.2f}s | rollout: generating "
+        f"{t.gen_busy_s:6.2f}s ({t.gen_busy_s / t.wall_s:4.0%}), cpu/busy "
+        f"{t.rollout_cpu_s / max(t.gen_busy_s, 1e-9):4.0%} | learner: train {t.train_s:6.2f}s + "
+        f"sync {t.sync_s:4.2f}s ({busy_l / t.wall_s:4.0%}), wait {t.wait_s:6.2f}s, cpu/busy "
+        f"{t.learner_cpu_s / max(busy_l, 1e-9):4.0%} | staleness max {t.staleness_max:.0f}, "
+        f"partial {t.partial_ratio:.2f}, transfer {t.weight_transfer_s * 1e3:.0f}ms | "
+        f"load [{load}]",
         flush=True,
     )
 
@@ -205,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launch.bench async", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--updates", type=int, default=12, help="timed updates K per run")
+    p.add_argument("--updates", type=int, default=20, help="timed updates K per run")
     p.add_argument("--prompts", type=int, default=8, help="prompts (groups) per update")
     p.add_argument("--group", type=int, default=4, help="samples per prompt")
     p.add_argument("--eta", type=int, default=2, help="max_staleness of the async run")
@@ -214,8 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--transport", default="local", choices=("local",))
     p.add_argument("--min-tokens", type=int, default=16, help="shortest generation budget")
-    p.add_argument("--max-tokens", type=int, default=128, help="longest generation budget")
-    p.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index of the budgets")
+    p.add_argument("--max-tokens", type=int, default=256, help="longest generation budget")
+    p.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index of the budgets")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per update")
     p.add_argument("--num-eval", type=int, default=8, help="held-out problems (start/end eval)")
     p.add_argument("--rollout-cores", type=int, nargs="+", default=[0])
@@ -258,57 +286,57 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")
     _share_compile_cache(os.path.join(run_root, "jit_cache"))
-    syncs: list[RunTiming] = []
-    asyncs: dict[str, list[RunTiming]] = {p: [] for p in partials}
+    rows: dict[str, list[dict]] = {p: [] for p in partials}
     for r in range(args.repeats):  # rounds alternate the modes, so load drift hits both
         load = _loadavg()
         sync = run_once(args, "sync", "drain", run_root, r)
-        syncs.append(sync)
         _print_run(sync, load)
+        G, T = sync.gen_busy_s, sync.train_s + sync.transfer_s
+        ideal = (G + T) / max(G, T)
+        print(
+            f"round {r}: sync G={G:.2f}s T={T:.2f}s (G/T={G / T:.2f}), other "
+            f"{sync.wall_s - G - T:.2f}s, ideal async bound (G+T)/max(G,T) = {ideal:.3f}",
+            flush=True,
+        )
         for partial in partials:
             load = _loadavg()
             a = run_once(args, "async", partial, run_root, r)
-            asyncs[partial].append(a)
             _print_run(a, load)
-            ideal_r = _ideal(sync)
+            speedup = sync.wall_s / a.wall_s
             print(
-                f"round {r}: async ({partial}) speedup {sync.wall_s / a.wall_s:.3f}, ideal "
-                f"{ideal_r:.3f}, {sync.wall_s / a.wall_s / ideal_r:.1%} of ideal",
+                f"round {r}: async ({partial}) {a.wall_s:.2f}s vs sync {sync.wall_s:.2f}s: "
+                f"speedup {speedup:.3f}, ideal {ideal:.3f}, {speedup / ideal:.1%} of ideal",
                 flush=True,
             )
-    G = sum(s.gen_busy_s for s in syncs)
-    T = sum(s.train_s + s.sync_s for s in syncs)
-    sync_total = sum(s.wall_s for s in syncs)
-    ideal = (G + T) / max(G, T)
-    n = args.repeats
-    print(
-        f"sync (all rounds): G={G / n:.2f}s T={T / n:.2f}s per run (G/T={G / T:.2f}), other="
-        f"{(sync_total - G - T) / n:.2f}s; ideal async bound (G+T)/max(G,T)={ideal:.3f}",
-        flush=True,
-    )
-    result = {"sync_s": sync_total / n}
+            rows[partial].append(
+                dict(
+                    sync_s=sync.wall_s,
+                    async_s=a.wall_s,
+                    speedup=speedup,
+                    ideal=ideal,
+                    frac_of_ideal=speedup / ideal,
+                    G_s=G,
+                    T_s=T,
+                )
+            )
+    result: dict[str, float] = {}
     for i, partial in enumerate(partials):
-        async_total = sum(a.wall_s for a in asyncs[partial])
-        speedup = sync_total / async_total
-        print(
-            f"async ({partial}): {async_total / n:.2f}s vs sync {sync_total / n:.2f}s per run: "
-            f"speedup {speedup:.3f}, ideal {ideal:.3f}, {speedup / ideal:.1%} of ideal",
-            flush=True,
-        )
-        sfx = "" if i == 0 else f"_{partial}"
-        result[f"async_s{sfx}"] = async_total / n
-        result[f"speedup{sfx}"] = speedup
+        med = {k: statistics.median(row[k] for row in rows[partial]) for k in rows[partial][0]}
+        if len(rows[partial]) > 1:
+            print(
+                f"median of {len(rows[partial])} rounds, async ({partial}): sync "
+                f"{med['sync_s']:.2f}s, async {med['async_s']:.2f}s, speedup {med['speedup']:.3f}"
+                f", ideal {med['ideal']:.3f}, {med['frac_of_ideal']:.1%} of ideal",
+                flush=True,
+            )
         if i == 0:
-            result["ideal"] = ideal
-        result[f"frac_of_ideal{sfx}"] = speedup / ideal
-    result.update(G_s=G / n, T_s=T / n, load1=float(_loadavg().split()[0]))
+            result.update(med)
+        else:
+            for k in ("async_s", "speedup", "frac_of_ideal"):
+                result[f"{k}_{partial}"] = med[k]
+    result["load1"] = float(_loadavg().split()[0])
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
     return 0
-
-
-def _ideal(sync: RunTiming) -> float:
-    G, T = sync.gen_busy_s, sync.train_s + sync.sync_s
-    return (G + T) / max(G, T)
 
 
 if __name__ == "__main__":
