@@ -348,6 +348,11 @@ def _check_ranges(cfg: RunConfig) -> None:
         )
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
+    if cfg.trainer.pin_cores and cfg.rollout.engine != "jax":
+        raise ConfigError(
+            f"trainer.pin_cores: true needs rollout.engine 'jax' (the pinned rollout process "
+            f"runs the JAX sampler), got {cfg.rollout.engine!r}"
+        )
     if cfg.learner.micro_batch_size:
         n = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches
         if n % cfg.learner.micro_batch_size:

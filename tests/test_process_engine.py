@@ -273,3 +273,10 @@ def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
             if key in plain[step]:
                 assert pinned[step][key] == pytest.approx(plain[step][key], abs=1e-6), (step, key)
     assert plain[3]["episode/length"] > 4  # ignore_eos budgets: longer than the minimum
+
+
+def test_pin_cores_needs_the_jax_engine():
+    from rl import config as C
+
+    with pytest.raises(C.ConfigError, match="trainer.pin_cores.*rollout.engine 'jax'"):
+        C.load(None, ["trainer.pin_cores=true", "rollout.engine=vllm"])
