@@ -58,6 +58,7 @@ class RunTiming:
     partial_ratio: float
     weight_transfer_s: float  # mean ProcessEngine.update_weights total (flatten+send+install)
     learner_cpu_s: float  # CPU time of this (learner) process in the window, all threads
+    new_shapes: int  # generation programs the rollout process traced (compiled) in the window
     rollout_cpu_s: float  # CPU time of the rollout process in the window
 
 
@@ -182,6 +183,7 @@ def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> R
             sum(s["total_s"] for s in sync_times) / len(sync_times) if sync_times else 0.0
         ),
         learner_cpu_s=snaps[w1]["learner_cpu"] - snaps[w0]["learner_cpu"],
+        new_shapes=snaps[w1]["traces"] - snaps[w0]["traces"],
         rollout_cpu_s=snaps[w1]["rollout_cpu"] - snaps[w0]["rollout_cpu"],
     )
 
@@ -223,7 +225,8 @@ def _print_run(t: RunTiming, load: str) -> None:
         f"{t.rollout_cpu_s / max(t.gen_busy_s, 1e-9):4.0%} | learner: train {t.train_s:6.2f}s + "
         f"sync {t.sync_s:4.2f}s ({busy_l / t.wall_s:4.0%}), wait {t.wait_s:6.2f}s, cpu/busy "
         f"{t.learner_cpu_s / max(busy_l, 1e-9):4.0%} | staleness max {t.staleness_max:.0f}, "
-        f"partial {t.partial_ratio:.2f}, transfer {t.weight_transfer_s * 1e3:.0f}ms | "
+        f"partial {t.partial_ratio:.2f}, new shapes {t.new_shapes}, transfer "
+        f"{t.weight_transfer_s * 1e3:.0f}ms | "
         f"load [{load}]",
         flush=True,
     )

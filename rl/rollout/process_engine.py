@@ -144,8 +144,11 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
         with send_lock:
             conn.send(msg)
 
+    engine = None
+
     def stats() -> dict:
-        return {**busy.snapshot(), **install, "pid": os.getpid()}
+        traces = engine.traces if engine is not None else 0  # programs traced (compilations)
+        return {**busy.snapshot(), **install, "pid": os.getpid(), "traces": traces}
 
     try:
         kind, flat = conn.recv()  # the initial params come over the pipe, not as spawn args
