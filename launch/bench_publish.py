@@ -26,15 +26,9 @@ import sys
 import tempfile
 import time
 
+from rl.param_server import fsync_path
+
 PRESETS = ("tiny", "qwen2_0p5b")
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def copy_weights(src_dir: str, dst_dir: str) -> tuple[float, int]:
@@ -48,9 +42,9 @@ def copy_weights(src_dir: str, dst_dir: str) -> tuple[float, int]:
     for name in names:
         dst = os.path.join(dst_dir, name)
         shutil.copyfile(os.path.join(src_dir, name), dst)
-        _fsync(dst)
+        fsync_path(dst)
         nbytes += os.path.getsize(dst)
-    _fsync(dst_dir)
+    fsync_path(dst_dir)
     return time.perf_counter() - t0, nbytes
 
 
@@ -78,7 +72,7 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
 
     from models.hf import save_hf_tensors, to_hf_tensors
     from rl.checkpoint import restore_params
-    from rl.param_server import _sha256, _workers, host_params_hf_layout
+    from rl.param_server import _workers, host_params_hf_layout, sha256_file
 
     stages = {}
     t0 = time.perf_counter()
@@ -101,7 +95,7 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
     stages["write+fsync"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(min(len(files), _workers())) as pool:
-        list(pool.map(lambda n: _sha256(os.path.join(out_dir, n)), files))
+        list(pool.map(lambda n: sha256_file(os.path.join(out_dir, n)), files))
     stages[f"sha256 ({len(files)} files)"] = time.perf_counter() - t0
     shutil.rmtree(out_dir)
     return stages

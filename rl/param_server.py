@@ -32,7 +32,8 @@ from rl.checkpoint import restore_params
 MANIFEST = "manifest.json"
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file (the digest manifest.json records)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -40,7 +41,8 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsyncs a file or directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -155,17 +157,17 @@ class ParamServer:
         names = sorted((set(files) | set(os.listdir(tmp))) - {MANIFEST})
         # Shards hash in parallel (hashlib releases the GIL): many-core hosts, multi-shard models.
         with concurrent.futures.ThreadPoolExecutor(min(len(names), _workers())) as pool:
-            digests = list(pool.map(lambda n: _sha256(os.path.join(tmp, n)), names))
+            digests = list(pool.map(lambda n: sha256_file(os.path.join(tmp, n)), names))
         manifest = {"version": version, "files": dict(zip(names, digests))}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.weights_dir)
+        fsync_path(self.weights_dir)
         latest_tmp = os.path.join(self.weights_dir, "LATEST.tmp")
         with open(latest_tmp, "w") as f:
             f.write(os.path.basename(final))

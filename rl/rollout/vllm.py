@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 import requests
 
+from rl.param_server import sha256_file
 from rl.rollout.base import Generation, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,14 +67,6 @@ class VLLMError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------
 # Published weights directories.
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_weights_dir(path: str, version: int | None = None, *, checksums: bool = True) -> dict:
@@ -117,7 +109,7 @@ def verify_weights_dir(path: str, version: int | None = None, *, checksums: bool
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
             raise VLLMError(f"{path!r} misses {name!r} (listed in manifest.json)")
-        if checksums and _sha256(file_path) != digest:
+        if checksums and sha256_file(file_path) != digest:
             raise VLLMError(f"sha256 of {file_path!r} does not match manifest.json ({digest})")
     return manifest
 
