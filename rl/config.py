@@ -151,6 +151,18 @@ class LearnerSection:
 
 
 @dataclasses.dataclass
+class RaySection:
+    address: str = F("", "Ray cluster to join ('auto' or host:port); empty = start a local one")
+    num_workers: int = F(1, "rollout worker actors (each a process with its own JAX sampler)")
+    worker_cpus: float = F(1.0, "CPUs Ray reserves for each rollout worker actor")
+    worker_gpus: float = F(0.0, "GPUs Ray reserves for each rollout worker actor")
+    health_deadline_s: float = F(
+        30.0, "a rollout worker that leaves a health check unanswered this long is replaced"
+    )
+    max_restarts: int = F(2, "replacement workers started per run before the run fails")
+
+
+@dataclasses.dataclass
 class TrainerSection:
     mode: Literal["sync", "one_step_off", "async"] = F(
         "sync", "how generation and training overlap"
@@ -164,7 +176,10 @@ class TrainerSection:
     stale_policy: Literal["keep", "drop"] = F(
         "keep", "keep finished stale groups, or drop and count"
     )
-    transport: Literal["local", "ray"] = F("local", "how rollout and learner talk")
+    transport: Literal["local", "ray"] = F(
+        "local", "local: rollout in this process (or one pinned child); ray: rollout worker actors"
+    )
+    ray: RaySection = sub(RaySection, "rollout worker actors (trainer.transport=ray)")
     pin_cores: bool = F(
         False, "CPU: run rollout and learner in processes pinned to their own cores"
     )
@@ -353,6 +368,19 @@ def _check_ranges(cfg: RunConfig) -> None:
             f"trainer.pin_cores: true needs rollout.engine 'jax' (the pinned rollout process "
             f"runs the JAX sampler), got {cfg.rollout.engine!r}"
         )
+    if cfg.trainer.transport == "ray":
+        ray = cfg.trainer.ray
+        positive("trainer.ray.num_workers", ray.num_workers)
+        positive("trainer.ray.worker_cpus", ray.worker_cpus)
+        positive("trainer.ray.worker_gpus", ray.worker_gpus, allow_zero=True)
+        positive("trainer.ray.health_deadline_s", ray.health_deadline_s)
+        positive("trainer.ray.max_restarts", ray.max_restarts, allow_zero=True)
+        if cfg.rollout.engine != "jax":
+            raise ConfigError(
+                f"trainer.transport: 'ray' needs rollout.engine 'jax' (the rollout worker "
+                f"actors run the JAX sampler), got {cfg.rollout.engine!r}; valid with "
+                "'vllm': 'local'"
+            )
     if cfg.learner.micro_batch_size:
         n = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches
         if n % cfg.learner.micro_batch_size:

@@ -213,6 +213,8 @@ class Trainer:
         """The rollout engine of the config, serving the learner's current weights."""
         if self.cfg.rollout.engine == "vllm":
             return self.make_vllm_engine()
+        if self.cfg.trainer.transport == "ray":
+            return self.make_ray_rollout()
         if self.core_split is not None:
             if jax.default_backend() != "cpu":
                 raise C.ConfigError(
@@ -231,6 +233,36 @@ class Trainer:
             max_batch=self.cfg.rollout.batch_size,
             deadline_s=self.cfg.trainer.deadline_s,
         )
+
+    def make_ray_rollout(self):
+        """Rollout worker actors (the `ray` transport) serving the learner's current weights."""
+        from rl.transport import RayOptions, RayRollout
+
+        c, r = self.cfg, self.cfg.trainer.ray
+        opts = RayOptions(
+            address=r.address,
+            num_workers=r.num_workers,
+            cpus=r.worker_cpus,
+            gpus=r.worker_gpus,
+            health_deadline_s=r.health_deadline_s,
+            max_restarts=r.max_restarts,
+            cores=self.core_split.rollout if self.core_split else (),
+            log_dir=os.path.abspath(os.path.join(self.run_dir, "logs")),
+        )
+        return RayRollout(
+            self.learner.model,
+            version=self.learner.version,
+            task={"name": c.task.name, "seed": c.task.seed, "options": dict(c.task.options)},
+            tokenizer_dir=self.tok_dir,
+            options=opts,
+            engine_kwargs={"max_batch": c.rollout.batch_size, "deadline_s": c.trainer.deadline_s},
+            call_deadline_s=c.trainer.deadline_s,
+        )
+
+    def group_work(self, admitted: list[tuple[int, int]]) -> list[tuple]:
+        """Admitted [(group, version)] as [(group, version, problem, seeds)] for a worker."""
+        seeds = [[episode_seed(self.cfg.seed, g, i) for i in range(self.n)] for g, _ in admitted]
+        return [(g, v, self.train_problem(g), s) for (g, v), s in zip(admitted, seeds)]
 
     def make_jax_engine(self):
         """An in-process JAX sampler on the learner's current weights (evaluation)."""
@@ -513,13 +545,31 @@ class Trainer:
             )
         coord.publish(start_version)
         stats = {"generate_time": 0.0, "tokens": 0}
-        worker = threading.Thread(
-            target=self.rollout_worker,
-            args=(engine, coord, buffer, stats),
-            name="rollout-0",
-            daemon=True,
-        )
-        worker.start()
+        if cfg.trainer.transport == "ray":  # one dispatcher thread per rollout worker actor
+            from rl.transport import ray_rollout_loop
+
+            max_groups = max(1, cfg.rollout.batch_size // self.n)
+            workers = [
+                threading.Thread(
+                    target=ray_rollout_loop,
+                    args=(engine, i, coord, buffer, self.group_work, self.sampling(), stats)
+                    + (max_groups, cfg.trainer.deadline_s),
+                    name=f"rollout-{i}",
+                    daemon=True,
+                )
+                for i in range(engine.num_workers)
+            ]
+        else:
+            workers = [
+                threading.Thread(
+                    target=self.rollout_worker,
+                    args=(engine, coord, buffer, stats),
+                    name="rollout-0",
+                    daemon=True,
+                )
+            ]
+        for worker in workers:
+            worker.start()
         t_start = time.perf_counter()
         last = {"time": t_start, "tokens": 0, "gen": 0.0, "wait": 0.0}
         wait_total = 0.0
@@ -550,6 +600,8 @@ class Trainer:
                 row = self._update_metrics(
                     groups, batch, met, version, t_wait, t_sync, stats, last, buffer, coord
                 )
+                if hasattr(engine, "metrics"):  # the ray transport's worker and batch counters
+                    row.update(engine.metrics())
                 if (
                     cfg.trainer.eval_every
                     and new_version % cfg.trainer.eval_every == 0
@@ -567,7 +619,8 @@ class Trainer:
         finally:
             coord.stop()
             engine.abort()
-            worker.join(timeout=60)
+            for worker in workers:
+                worker.join(timeout=60)
             engine.close()
             self.writer.close()
             self.ckpt.close()
@@ -623,12 +676,14 @@ class Trainer:
         k = self.cfg.logging.save_episodes
         if not k:
             return
-        eps = [e for g in groups for e in g.episodes][:k]
+        eps = [(g.group_id, i, e) for g in groups for i, e in enumerate(g.episodes)][:k]
         with open(os.path.join(self.episodes_dir, f"v{version:06d}.jsonl"), "w") as f:
-            for e in eps:
+            for gid, i, e in eps:
                 f.write(
                     json.dumps(
                         {
+                            "group": gid,
+                            "index": i,
                             "problem_id": e.problem_id,
                             "prompt": self.tokenizer.decode(e.tokens[: e.prompt_len].tolist()),
                             "completion": e.completion_text,
