@@ -434,6 +434,7 @@ class RayRollout:
         self.batch_bytes = 0
         self.sync_times: list[dict] = []
         self.workers: list[_Worker] = []
+        self.inflight: dict[int, list[int]] = {}  # slot -> group ids its worker is running
         self._closed = False
         try:
             for i in range(options.num_workers):
@@ -532,6 +533,13 @@ class RayRollout:
         Raises WorkerLost if the worker dies or leaves a health check unanswered for
         health_deadline_s (or the whole call passes call_deadline_s).
         """
+        self.inflight[slot] = [item[0] for item in items]
+        try:
+            return self._run(slot, items, sampling, stopped)
+        finally:
+            self.inflight[slot] = []
+
+    def _run(self, slot: int, items: list, sampling, stopped):
         import ray
 
         ref = self.submit(slot, items, sampling)

@@ -1,0 +1,300 @@
+"""The `ray` transport: rollout worker actors in their own processes, episode batches in the
+object store, a real SIGKILL of a worker mid-run (re-dispatch, every finished episode trained
+exactly once), a worker that stops answering (SIGSTOP), the restart limit, lossless resume."""
+
+import glob
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rl import config as C  # noqa: E402
+from rl.checkpoint import load_groups  # noqa: E402
+from rl.trainer import Trainer  # noqa: E402
+from rl.transport import (  # noqa: E402
+    RayOptions,
+    RayRollout,
+    RolloutWorkerError,
+    WorkerLost,
+    pack_groups,
+    unpack_groups,
+)
+from rl.types import Episode, EpisodeGroup  # noqa: E402
+
+B, N = 2, 4  # groups per update, samples per group
+BASE = [
+    "sft.steps=0",
+    f"rollout.prompts_per_update={B}",
+    f"rollout.group_size={N}",
+    f"rollout.batch_size={B * N}",  # one worker call runs B groups
+    "rollout.max_new_tokens=8",
+    "task.num_eval=4",
+    "algorithm.filter_zero_advantage=false",  # every finished group is trained: countable
+    "trainer.mode=async",
+    "trainer.max_staleness=1",
+    "trainer.eval_every=0",
+    "trainer.transport=ray",
+    "trainer.deadline_s=120",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    f"logging.save_episodes={B * N}",  # every trained episode is dumped with its group id
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for the module; the actors inherit this process's XLA_FLAGS."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(root, name, *overrides):
+    return C.load(None, [*BASE, f"run_root={root}", f"name={name}", *overrides])
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _trained(run_dir):
+    """{(group, index): dumped episode} over every update's dump; asserts no duplicate."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "episodes", "v*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                e = json.loads(line)
+                key = (e["group"], e["index"])
+                assert key not in out, f"episode {key} trained twice"
+                out[key] = e
+    return out
+
+
+def _gone(pid, timeout=10.0):
+    """True once process `pid` has exited (gone, or a zombie waiting to be reaped)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if "zombie" in f.read():
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _episode(seed, n_prompt, n_gen):
+    rng = np.random.default_rng(seed)
+    L = n_prompt + n_gen
+    return Episode(
+        f"p{seed}",
+        rng.integers(0, 100, L),
+        np.r_[np.zeros(n_prompt), np.ones(n_gen)].astype(np.int8),
+        rng.normal(size=L).astype(np.float32),
+        np.r_[np.full(n_prompt, -1), np.full(n_gen, seed)].astype(np.int32),
+        n_prompt,
+        reward=0.1 * seed,
+        correct=bool(seed % 2),
+        finish_reason="length",
+        num_turns=2,
+        completion_text=f"text {seed}",
+    )
+
+
+def test_pack_unpack_round_trip():
+    groups = [
+        EpisodeGroup(7, "p", (_episode(1, 3, 5), _episode(2, 4, 0)), 3),
+        EpisodeGroup(9, "q", (_episode(3, 2, 6),), 4),
+    ]
+    batch = pack_groups(groups)
+    n_tokens = (3 + 5) + (4 + 0) + (2 + 6)
+    per_token = [k for k, v in batch.items() if isinstance(v, np.ndarray) and v.size == n_tokens]
+    assert sorted(per_token) == ["behavior_logp", "loss_mask", "tokens", "versions"]
+    lists = [v for v in batch.values() if isinstance(v, list)]
+    assert all(len(v) <= 3 for v in lists)  # strings per episode or group, never per token
+    back = unpack_groups(batch)
+    assert [(g.group_id, g.problem_id, g.dispatch_version) for g in back] == [
+        (7, "p", 3),
+        (9, "q", 4),
+    ]
+    for g0, g1 in zip(groups, back):
+        assert len(g0.episodes) == len(g1.episodes)
+        for a, b in zip(g0.episodes, g1.episodes):
+            for name in ("tokens", "loss_mask", "behavior_logp", "versions"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+                assert getattr(a, name).dtype == getattr(b, name).dtype
+            for name in ("problem_id", "prompt_len", "reward", "correct", "finish_reason"):
+                assert getattr(a, name) == getattr(b, name)
+            assert (a.num_turns, a.completion_text) == (b.num_turns, b.completion_text)
+
+
+def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path):
+    """Direct use of the pool: separate pids, batches as shared-memory numpy, a SIGSTOPped
+    worker detected within the health deadline, then the restart limit's error."""
+    trainer = Trainer(_cfg(str(tmp_path), "pool"))
+    opts = RayOptions(num_workers=1, health_deadline_s=2.0, max_restarts=1, log_dir=str(tmp_path))
+    pool = RayRollout(
+        trainer.learner.model,
+        version=0,
+        task={"name": "arithmetic", "seed": 0, "options": {}},
+        tokenizer_dir=trainer.tok_dir,
+        options=opts,
+        engine_kwargs={"max_batch": B * N},
+        call_deadline_s=60,
+    )
+    try:
+        pid0 = pool.pid
+        assert pid0 not in (os.getpid(), -1) and os.path.exists(f"/proc/{pid0}")
+        items = trainer.group_work([(0, 0), (1, 0)])
+        outer = ray.get(pool.submit(0, items, trainer.sampling()), timeout=60)
+        assert len(outer) == 1 and isinstance(outer[0], ray.ObjectRef)  # put by the worker
+        batch = ray.get(outer[0])
+        arrays = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
+        assert arrays["tokens"].dtype == np.int32 and arrays["tokens"].size > 0
+        # zero-copy reads of the shared-memory object store come back read-only
+        assert not arrays["tokens"].flags.writeable and not arrays["versions"].flags.writeable
+        groups = unpack_groups(batch)
+        assert [g.group_id for g in groups] == [0, 1]
+        assert all(len(g.episodes) == N for g in groups)
+
+        os.kill(pid0, signal.SIGSTOP)  # stops answering, does not die
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerLost, match="health check within 2s"):
+            pool.run(0, items, trainer.sampling())
+        assert time.perf_counter() - t0 < 2.0 + 3.0
+        pool.replace(0, "did not answer")
+        pid1 = pool.pid
+        assert pid1 not in (pid0, os.getpid()) and pool.restarts == 1
+        assert [g.group_id for g in pool.run(0, items, trainer.sampling())] == [0, 1]
+
+        os.kill(pid1, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match="died"):
+            pool.run(0, items, trainer.sampling())
+        with pytest.raises(RolloutWorkerError) as err:  # max_restarts=1 already used
+            pool.replace(0, "died")
+        msg = str(err.value)
+        assert f"pid {pid1}" in msg and "rollout-0.r1" in msg
+        assert os.path.join(str(tmp_path), "rollout-0.r1.log") in msg
+        with open(os.path.join(str(tmp_path), "rollout-0.r1.log")) as f:
+            assert f"pid {pid1}" in f.read()
+    finally:
+        try:
+            os.kill(pid0, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        pool.close()
+    assert ray.is_initialized()  # the pool did not shut down a cluster it did not start
+
+
+def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
+    """SIGKILL of a rollout actor's process mid-run: the run completes, its in-flight groups
+    are re-dispatched (counted), and every finished episode is trained exactly once."""
+    total = 4
+    cfg = _cfg(str(tmp_path), "kill", f"trainer.total_updates={total}", "trainer.ray.num_workers=2")
+    trainer = Trainer(cfg)
+    seen: dict = {}
+    make_engine = trainer.make_engine
+
+    def make_and_watch():
+        pool = make_engine()
+        seen["pool"] = pool
+        seen["pids"] = pool.pids()
+        return pool
+
+    trainer.make_engine = make_and_watch
+    log = trainer.writer.log
+
+    def kill_while_generating():  # after update 1, the moment worker 0 runs groups
+        pool = seen["pool"]
+        t0 = time.perf_counter()
+        while not pool.inflight.get(0) and time.perf_counter() - t0 < 60:
+            time.sleep(0.001)
+        seen["inflight"] = list(pool.inflight.get(0, []))
+        seen["killed"] = pool.pids()[0]
+        os.kill(seen["killed"], signal.SIGKILL)
+
+    def log_and_kill(step, version, row):
+        out = log(step, version, row)
+        if step == 1:
+            killer = threading.Thread(target=kill_while_generating, daemon=True)
+            killer.start()
+            seen["killer"] = killer
+        return out
+
+    trainer.writer.log = log_and_kill
+    trainer.run()
+    seen["killer"].join(5)
+
+    pids = seen["pids"]
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # separate processes
+    assert seen["inflight"], "worker 0 was killed with no groups in flight"
+    assert _gone(seen["killed"])
+    rows = _rows(trainer.run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
+    last = rows[-1]
+    assert last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
+    assert last["coordinator/redispatched"] >= 1  # the killed worker's in-flight groups
+    assert last["transport/batches"] >= total  # <= B groups per batch, via the object store
+    trained = _trained(trainer.run_dir)  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    # finished = trained + still buffered at the end: nothing finished was lost or duplicated
+    assert last["buffer/finished"] == last["buffer/trained"] + last["buffer/size"]
+    assert last["buffer/trained"] == total * B
+
+
+def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path):
+    """Stop after 2 updates with finished-untrained groups in the buffer; the resumed run trains
+    exactly those (never dispatched again), re-dispatches only the rest, continues at version 3."""
+    first, total = 2, 4
+    root = str(tmp_path)
+    trainer = Trainer(_cfg(root, "resume", f"trainer.total_updates={first}"))
+    save = trainer._save
+
+    def save_with_buffered(step, coord, buffer, extra):
+        if step == first:  # make the scenario certain: a finished, untrained group exists
+            t0 = time.perf_counter()
+            while not buffer.groups and time.perf_counter() - t0 < 60:
+                time.sleep(0.05)
+        return save(step, coord, buffer, extra)
+
+    trainer._save = save_with_buffered
+    trainer.run()
+    saved = load_groups(os.path.join(root, "resume", "checkpoints", f"groups_{first}.npz"))
+    assert saved and min(saved) >= first * B  # finished but untrained at the stop
+    before = _trained(os.path.join(root, "resume"))
+    assert sorted({g for g, _ in before}) == list(range(first * B))
+
+    trainer = Trainer(_cfg(root, "resume", f"trainer.total_updates={total}"), resume=True)
+    assert trainer.learner.version == first
+    dispatched: list[int] = []
+    group_work = trainer.group_work
+
+    def record(admitted):
+        dispatched.extend(g for g, _ in admitted)
+        return group_work(admitted)
+
+    trainer.group_work = record
+    trainer.run()
+    rows = _rows(os.path.join(root, "resume"))
+    assert [r["step"] for r in rows] == list(range(total + 1))  # each version exactly once
+    assert all(r["version"] == r["step"] for r in rows)
+    trained = _trained(os.path.join(root, "resume"))  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    for gid, group in saved.items():  # the saved episodes themselves were trained
+        for i, e in enumerate(group.episodes):
+            d = trained[(gid, i)]
+            assert d["versions"] == list(e.version_span) and d["completion"] == e.completion_text
+    # only what was not finished at the stop is generated again; the saved groups are not
+    assert not set(dispatched) & set(saved)
+    assert set(range(first * B, total * B)) - set(saved) <= set(dispatched)
+    last = rows[-1]
+    assert last["buffer/trained"] == total * B
+    assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
