@@ -22,9 +22,16 @@ own speedup and ideal (from its own sync run), and the RESULT holds the medians 
 Each run also reports the CPU time each process got while busy (cpu/busy): well below 100% means
 other processes on the machine took its core, and the run measured the machine, not the overlap.
 
+--transport picks how rollout and learner talk: `local` (the rollout process is a pinned child
+over a pipe), `ray` (one rollout worker actor, pinned to the same cores, weights and episode
+batches through the Ray object store; the learner stays in this process), or `local,ray`: both
+on the same workload, round by round, with `overhead_sync` and `overhead_async` = ray wall time
+/ local wall time over the same window.
+
 Prints per-run figures (with the load average at each run's start), then `RESULT sync_s=...
-async_s=... speedup=... ideal=... frac_of_ideal=... G_s=... T_s=...` (the first --partial
-policy; the others add suffixed keys).
+async_s=... speedup=... ideal=... frac_of_ideal=... G_s=... T_s=...` (the first --transport and
+--partial; the other partials add suffixed keys, a second transport adds `_ray` keys and the
+overheads).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class RunTiming:
 
     mode: str
     partial: str
+    transport: str
     wall_s: float  # window wall time
     gen_busy_s: float  # rollout process generation busy time in the window
     train_s: float  # sum of timing/train_step in the window
@@ -62,7 +70,7 @@ class RunTiming:
     rollout_cpu_s: float  # CPU time of the rollout process in the window
 
 
-def _overrides(args, mode: str, partial: str) -> list[str]:
+def _overrides(args, mode: str, partial: str, transport: str = "local") -> list[str]:
     ppu, group = args.prompts, args.group
     return [
         "model.preset=tiny",
@@ -88,6 +96,8 @@ def _overrides(args, mode: str, partial: str) -> list[str]:
         f"trainer.rollout_cores={json.dumps(args.rollout_cores)}",
         f"trainer.learner_cores={json.dumps(args.learner_cores)}",
         f"trainer.deadline_s={args.deadline}",
+        f"trainer.transport={transport}",
+        "trainer.ray.num_workers=1",
         "logging.tensorboard=false",
         "logging.progress=false",
         "logging.save_episodes=0",
@@ -121,13 +131,16 @@ def _warm_engine(engine, trainer, args) -> None:
         prev = b
 
 
-def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> RunTiming:
+def run_once(
+    args, mode: str, partial: str, run_root: str, round_: int = 0, transport: str = "local"
+) -> RunTiming:
     """Runs the real trainer in one mode; returns its steady-state window figures."""
     from rl import config as C
     from rl.trainer import Trainer
 
-    name = f"name=bench-async-{mode}-{partial}-r{round_}"
-    cfg = C.load(None, _overrides(args, mode, partial) + [f"run_root={run_root}", name])
+    name = f"name=bench-async-{transport}-{mode}-{partial}-r{round_}"
+    over = _overrides(args, mode, partial, transport)
+    cfg = C.load(None, over + [f"run_root={run_root}", name])
     trainer = Trainer(cfg)
     engines: list = []
     make_engine = trainer.make_engine
@@ -166,6 +179,7 @@ def run_once(args, mode: str, partial: str, run_root: str, round_: int = 0) -> R
     return RunTiming(
         mode=mode,
         partial=partial,
+        transport=transport,
         wall_s=snaps[w1]["now"] - snaps[w0]["now"],
         gen_busy_s=snaps[w1]["busy_s"] - snaps[w0]["busy_s"],
         train_s=sum(r["timing/train_step"] for r in window),
@@ -220,8 +234,8 @@ def _print_run(t: RunTiming, load: str) -> None:
     """One run's window: each side's busy time, utilisation and the core share it got."""
     busy_l = t.train_s + t.sync_s
     print(
-        f"{t.mode:5s} {t.partial:8s} window {t.wall_s:6.2f}s | rollout: generating "
-        f"{t.gen_busy_s:6.2f}s ({t.gen_busy_s / t.wall_s:4.0%}), cpu/busy "
+        f"{t.transport:5s} {t.mode:5s} {t.partial:8s} window {t.wall_s:6.2f}s | rollout: "
+        f"generating {t.gen_busy_s:6.2f}s ({t.gen_busy_s / t.wall_s:4.0%}), cpu/busy "
         f"{t.rollout_cpu_s / max(t.gen_busy_s, 1e-9):4.0%} | learner: train {t.train_s:6.2f}s + "
         f"sync {t.sync_s:4.2f}s ({busy_l / t.wall_s:4.0%}), wait {t.wait_s:6.2f}s, cpu/busy "
         f"{t.learner_cpu_s / max(busy_l, 1e-9):4.0%} | staleness max {t.staleness_max:.0f}, "
@@ -243,7 +257,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--partial", default="drain", help="async in-flight policy: drain, continue or both"
     )
-    p.add_argument("--transport", default="local", choices=("local",))
+    p.add_argument(
+        "--transport",
+        default="local",
+        help="local, ray, or local,ray (both on the same workload; RESULT adds the overheads)",
+    )
     p.add_argument("--min-tokens", type=int, default=16, help="shortest generation budget")
     p.add_argument("--max-tokens", type=int, default=256, help="longest generation budget")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index of the budgets")
@@ -271,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    transports = args.transport.split(",")
+    if not transports or any(t not in ("local", "ray") for t in transports):
+        print(f"--transport={args.transport!r}: valid: local, ray, local,ray", file=sys.stderr)
+        return 2
     if args.group < 2 or args.eta < 0:
         print("--group must be >= 2 and --eta >= 0", file=sys.stderr)
         return 2
@@ -284,59 +306,77 @@ def main(argv: list[str] | None = None) -> int:
         f"[{args.min_tokens}, {args.max_tokens}], {args.prompts} prompts x {args.group} samples "
         f"per update, K={args.updates} timed updates after W={args.warmup}, {args.repeats} "
         f"round(s); rollout cores {list(split.rollout)}, learner cores {list(split.learner)}; "
-        f"async eta={args.eta}",
+        f"async eta={args.eta}; transport {', '.join(transports)}",
         flush=True,
     )
     run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")
     _share_compile_cache(os.path.join(run_root, "jit_cache"))
-    rows: dict[str, list[dict]] = {p: [] for p in partials}
+    rows: dict[tuple[str, str], list[dict]] = {(t, p): [] for t in transports for p in partials}
     for r in range(args.repeats):  # rounds alternate the modes, so load drift hits both
-        load = _loadavg()
-        sync = run_once(args, "sync", "drain", run_root, r)
-        _print_run(sync, load)
-        G, T = sync.gen_busy_s, sync.train_s + sync.transfer_s
-        ideal = (G + T) / max(G, T)
-        print(
-            f"round {r}: sync G={G:.2f}s T={T:.2f}s (G/T={G / T:.2f}), other "
-            f"{sync.wall_s - G - T:.2f}s, ideal async bound (G+T)/max(G,T) = {ideal:.3f}",
-            flush=True,
-        )
-        for partial in partials:
+        for transport in transports:
             load = _loadavg()
-            a = run_once(args, "async", partial, run_root, r)
-            _print_run(a, load)
-            speedup = sync.wall_s / a.wall_s
+            sync = run_once(args, "sync", "drain", run_root, r, transport)
+            _print_run(sync, load)
+            G, T = sync.gen_busy_s, sync.train_s + sync.transfer_s
+            ideal = (G + T) / max(G, T)
             print(
-                f"round {r}: async ({partial}) {a.wall_s:.2f}s vs sync {sync.wall_s:.2f}s: "
-                f"speedup {speedup:.3f}, ideal {ideal:.3f}, {speedup / ideal:.1%} of ideal",
+                f"round {r} ({transport}): sync G={G:.2f}s T={T:.2f}s (G/T={G / T:.2f}), other "
+                f"{sync.wall_s - G - T:.2f}s, ideal async bound (G+T)/max(G,T) = {ideal:.3f}",
                 flush=True,
             )
-            rows[partial].append(
-                dict(
-                    sync_s=sync.wall_s,
-                    async_s=a.wall_s,
-                    speedup=speedup,
-                    ideal=ideal,
-                    frac_of_ideal=speedup / ideal,
-                    G_s=G,
-                    T_s=T,
+            for partial in partials:
+                load = _loadavg()
+                a = run_once(args, "async", partial, run_root, r, transport)
+                _print_run(a, load)
+                speedup = sync.wall_s / a.wall_s
+                print(
+                    f"round {r} ({transport}): async ({partial}) {a.wall_s:.2f}s vs sync "
+                    f"{sync.wall_s:.2f}s: speedup {speedup:.3f}, ideal {ideal:.3f}, "
+                    f"{speedup / ideal:.1%} of ideal",
+                    flush=True,
                 )
-            )
+                rows[transport, partial].append(
+                    dict(
+                        sync_s=sync.wall_s,
+                        async_s=a.wall_s,
+                        speedup=speedup,
+                        ideal=ideal,
+                        frac_of_ideal=speedup / ideal,
+                        G_s=G,
+                        T_s=T,
+                    )
+                )
     result: dict[str, float] = {}
-    for i, partial in enumerate(partials):
-        med = {k: statistics.median(row[k] for row in rows[partial]) for k in rows[partial][0]}
-        if len(rows[partial]) > 1:
+    meds = {}
+    for (transport, partial), runs in rows.items():
+        med = {k: statistics.median(row[k] for row in runs) for k in runs[0]}
+        meds[transport, partial] = med
+        if len(runs) > 1:
             print(
-                f"median of {len(rows[partial])} rounds, async ({partial}): sync "
+                f"median of {len(runs)} rounds, {transport} async ({partial}): sync "
                 f"{med['sync_s']:.2f}s, async {med['async_s']:.2f}s, speedup {med['speedup']:.3f}"
                 f", ideal {med['ideal']:.3f}, {med['frac_of_ideal']:.1%} of ideal",
                 flush=True,
             )
-        if i == 0:
+        if transport != transports[0]:
+            for k in ("sync_s", "async_s", "speedup"):
+                result[f"{k}_{transport}"] = med[k]
+        elif partial == partials[0]:
             result.update(med)
         else:
             for k in ("async_s", "speedup", "frac_of_ideal"):
                 result[f"{k}_{partial}"] = med[k]
+    if len(transports) > 1:  # the second transport's wall time over the first's, same window
+        a, b = meds[transports[0], partials[0]], meds[transports[1], partials[0]]
+        result["overhead_sync"] = b["sync_s"] / a["sync_s"]
+        result["overhead_async"] = b["async_s"] / a["async_s"]
+        print(
+            f"{transports[1]} vs {transports[0]} (same workload, window of {args.updates} "
+            f"updates): sync {b['sync_s']:.2f}s vs {a['sync_s']:.2f}s "
+            f"({result['overhead_sync'] - 1:+.1%}), async {b['async_s']:.2f}s vs "
+            f"{a['async_s']:.2f}s ({result['overhead_async'] - 1:+.1%})",
+            flush=True,
+        )
     result["load1"] = float(_loadavg().split()[0])
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
     return 0

@@ -592,7 +592,8 @@ class Trainer:
                     new_version % cfg.trainer.sync_every == 0
                     or new_version == cfg.trainer.total_updates
                 ):
-                    if isinstance(engine, ProcessEngine):  # published when the child serves it
+                    if isinstance(engine, ProcessEngine) or cfg.trainer.transport == "ray":
+                        # published when the rollout process (every ray worker) serves it
                         t_sync = self.publish(engine, new_version, coord.publish, buffer.fail)
                     else:
                         t_sync = self.publish(engine, new_version)

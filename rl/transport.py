@@ -1,4 +1,7 @@
-"""The local transport's CPU layout: which cores the rollout process and the learner get.
+"""How rollout and learner talk: the `local` transport's CPU layout and the `ray` transport.
+
+`local` (this part): which cores the rollout process and the learner get. `ray` (the second part
+of this file): rollout worker actors, episode batches in the object store, worker health.
 
 On a CPU host two JAX computations in threads of one process barely overlap: each one alone
 spreads over every core through XLA's intra-op thread pool. With `trainer.pin_cores` the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import threading
 import time
 
@@ -423,7 +427,7 @@ class RayRollout:
         self._actor_cls = ray.remote(RolloutActor).options(
             num_cpus=options.cpus,
             num_gpus=options.gpus,
-            max_concurrency=4,
+            max_concurrency=16,  # pings are answered while rollouts, evals and updates wait
             max_restarts=0,
         )
         self._lock = threading.Lock()
@@ -435,6 +439,8 @@ class RayRollout:
         self.sync_times: list[dict] = []
         self.workers: list[_Worker] = []
         self.inflight: dict[int, list[int]] = {}  # slot -> group ids its worker is running
+        self._updates: queue.Queue = queue.Queue()  # weight versions for the update thread
+        self._updater: threading.Thread | None = None
         self._closed = False
         try:
             for i in range(options.num_workers):
@@ -499,14 +505,9 @@ class RayRollout:
 
     def replace(self, slot: int, why: str) -> None:
         """Kills the worker of `slot` and starts a replacement; raises past max_restarts."""
-        import ray
-
         what = f"{self.describe(slot)}: {why}"
         self.lost.append(what)
-        try:
-            ray.kill(self.workers[slot].handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+        self._kill(self.workers[slot].handle)
         while True:
             if self.restarts >= self.options.max_restarts:
                 raise RolloutWorkerError(
@@ -543,7 +544,28 @@ class RayRollout:
         import ray
 
         ref = self.submit(slot, items, sampling)
-        handle = self.workers[slot].handle
+        try:
+            outer = self._await(self.workers[slot].handle, ref, stopped)
+            if outer is None:
+                return None
+            batch = ray.get(outer[0])
+        except ray.exceptions.ObjectLostError as e:  # its owner (the worker) died
+            raise WorkerLost(f"died ({type(e).__name__})") from e
+        except ray.exceptions.RayTaskError as e:  # a bug in the rollout: fail the run
+            raise RolloutWorkerError(f"{self.describe(slot)} raised:\n{e}") from e
+        with self._lock:
+            self.batches += 1
+            self.batch_bytes += batch_nbytes(batch)
+        return unpack_groups(batch)
+
+    def _await(self, handle, ref, stopped=lambda: False):
+        """ray.get(ref) of a call on `handle`, pinging the worker meanwhile; None once stopped().
+
+        Raises WorkerLost if the worker dies, leaves a ping unanswered for health_deadline_s,
+        or the call passes call_deadline_s.
+        """
+        import ray
+
         deadline = self.options.health_deadline_s
         t0 = last_answer = time.perf_counter()
         ping, ping_t = None, 0.0
@@ -551,15 +573,9 @@ class RayRollout:
             ready, _ = ray.wait([ref], timeout=min(0.2, deadline / 4))
             if ready:
                 try:
-                    (batch_ref,) = ray.get(ref)
-                    batch = ray.get(batch_ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+                    return ray.get(ref)
+                except ray.exceptions.RayActorError as e:
                     raise WorkerLost(f"died ({type(e).__name__})") from e
-                except ray.exceptions.RayTaskError as e:  # a bug in the rollout: fail the run
-                    raise RolloutWorkerError(f"{self.describe(slot)} raised:\n{e}") from e
-                self.batches += 1
-                self.batch_bytes += batch_nbytes(batch)
-                return unpack_groups(batch)
             if stopped():
                 return None
             now = time.perf_counter()
@@ -578,6 +594,14 @@ class RayRollout:
             if now - t0 > self.call_deadline_s:
                 raise WorkerLost(f"no result within trainer.deadline_s={self.call_deadline_s:g}s")
 
+    def _kill(self, handle) -> None:
+        import ray
+
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+
     # -- Engine protocol ------------------------------------------------------------------
     def generate(self, requests: list) -> list:
         """Completes requests, split in contiguous chunks over the workers."""
@@ -587,25 +611,43 @@ class RayRollout:
             return []
         n = min(len(self.workers), len(requests))
         bounds = np.linspace(0, len(requests), n + 1).astype(int)
-        refs = [
-            self.workers[i].handle.generate.remote(requests[bounds[i] : bounds[i + 1]])
-            for i in range(n)
-        ]
+        chunks = [requests[bounds[i] : bounds[i + 1]] for i in range(n)]
+        calls = [(i, self.workers[i].handle) for i in range(n)]
+        refs = [h.generate.remote(chunks[i]) for i, h in calls]
         out = []
         for i, r in enumerate(refs):
-            try:
-                out += ray.get(r, timeout=self.call_deadline_s)
-            except ray.exceptions.RayError as e:
-                raise RolloutWorkerError(f"{self.describe(i)} failed generate: {e}") from e
+            slot, handle = calls[i]
+            for attempt in range(len(self.workers) + 1):  # a lost worker's chunk goes elsewhere
+                try:
+                    out += self._await(handle, r)
+                    break
+                except WorkerLost as e:
+                    self._kill(handle)  # its dispatcher replaces it
+                    if attempt == len(self.workers):
+                        raise RolloutWorkerError(f"{self.describe(slot)}: {e} in generate") from e
+                    slot = (slot + 1) % len(self.workers)
+                    handle = self.workers[slot].handle
+                    r = handle.generate.remote(chunks[i])
+                except ray.exceptions.RayTaskError as e:
+                    raise RolloutWorkerError(f"{self.describe(slot)} failed generate: {e}") from e
         return out
 
     def update_weights(
-        self, version: int, path: str | None = None, params=None, *, interrupt: bool = False
+        self,
+        version: int,
+        path: str | None = None,
+        params=None,
+        *,
+        interrupt: bool = False,
+        on_served=None,
+        on_error=None,
     ) -> None:
-        """Puts the weights into the object store once; every worker installs them.
+        """Puts the weights into the object store once; every worker installs them, in order.
 
-        Returns when every live worker serves `version` (a worker lost meanwhile is replaced
-        by its dispatcher, on these weights).
+        Without on_served, returns when every live worker serves `version`. With on_served,
+        returns once the weights are in the object store and calls on_served(version) when every
+        worker serves them (on_error(exception) if that fails), as ProcessEngine does. A worker
+        lost meanwhile is replaced by its dispatcher, on the newest weights.
         """
         import ray
 
@@ -617,25 +659,60 @@ class RayRollout:
         flat = flat_params(params)
         t1 = time.perf_counter()
         ref = ray.put(flat)
-        with self._lock:
+        with self._lock:  # a replacement started from now on gets these weights
             self.weights_ref, self.version = ref, version
-            handles = [w.handle for w in self.workers]
-        t2 = time.perf_counter()
-        refs = [h.update_weights.remote(version, ref, interrupt) for h in handles]
-        install = 0.0
-        for r in refs:
+        done = threading.Event()
+        result: dict = {}
+
+        def served(v):
+            done.set()
+            if on_served is not None:
+                on_served(v)
+
+        def failed(e):
+            result["error"] = e
+            done.set()
+            if on_error is not None:
+                on_error(e)
+
+        if self._updater is None:
+            self._updater = threading.Thread(target=self._update_loop, daemon=True)
+            self._updater.start()
+        self._updates.put((version, ref, interrupt, (t0, t1, time.perf_counter()), served, failed))
+        if on_served is None:
+            done.wait()
+            if "error" in result:
+                raise result["error"]
+
+    def _update_loop(self) -> None:
+        """Installs queued weight versions on every worker, one version at a time, in order."""
+        while True:
+            item = self._updates.get()
+            if item is None:
+                return
+            version, ref, interrupt, (t0, t1, t2), served, failed = item
             try:
-                install = max(install, ray.get(r, timeout=self.call_deadline_s))
-            except ray.exceptions.RayActorError:
-                pass  # lost: its dispatcher replaces it with a worker on these weights
-        self.sync_times.append(
-            {
-                "flatten_s": t1 - t0,
-                "send_s": t2 - t1,
-                "install_s": install,
-                "total_s": time.perf_counter() - t0,
-            }
-        )
+                with self._lock:
+                    handles = [w.handle for w in self.workers]
+                refs = [h.update_weights.remote(version, ref, interrupt) for h in handles]
+                install = 0.0
+                for h, r in zip(handles, refs):
+                    try:
+                        install = max(install, self._await(h, r))
+                    except WorkerLost:  # its dispatcher replaces it, on the newest weights
+                        self._kill(h)
+                self.sync_times.append(
+                    {
+                        "flatten_s": t1 - t0,
+                        "send_s": t2 - t1,
+                        "install_s": install,
+                        "total_s": time.perf_counter() - t0,
+                    }
+                )
+            except BaseException as e:  # noqa: BLE001 - the learner hears of it
+                failed(RolloutWorkerError(f"weight update to version {version} failed: {e!r}"))
+                continue
+            served(version)
 
     def _all(self, method: str, timeout: float) -> list:
         import ray
@@ -683,11 +760,9 @@ class RayRollout:
         if self._closed:
             return
         self._closed = True
+        self._updates.put(None)
         for w in self.workers:
-            try:
-                ray.kill(w.handle, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            self._kill(w.handle)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -298,3 +298,20 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     last = rows[-1]
     assert last["buffer/trained"] == total * B
     assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
+
+
+def test_ray_config_errors_name_key_value_and_valid_choices():
+    ok = C.load(os.path.join(os.path.dirname(__file__), "..", "configs", "ray.yaml"))
+    assert ok.trainer.transport == "ray" and ok.trainer.ray.num_workers == 2
+    with pytest.raises(
+        C.ConfigError, match=r"trainer\.ray\.num_workers: invalid value 0; must be > 0"
+    ):
+        C.load(None, ["trainer.transport=ray", "trainer.ray.num_workers=0"])
+    with pytest.raises(C.ConfigError, match=r"trainer\.ray\.max_restarts: invalid value -1"):
+        C.load(None, ["trainer.transport=ray", "trainer.ray.max_restarts=-1"])
+    with pytest.raises(
+        C.ConfigError, match=r"trainer\.transport: 'ray' needs rollout\.engine 'jax'"
+    ):
+        C.load(None, ["trainer.transport=ray", "rollout.engine=vllm"])
+    with pytest.raises(C.ConfigError, match=r"trainer\.transport: invalid value 'rey'.*'ray'"):
+        C.load(None, ["trainer.transport=rey"])
