@@ -293,6 +293,7 @@ class RolloutActor:
 
         return {
             "pid": os.getpid(),
+            "session": os.getsid(0),
             "node": ray.util.get_node_ip_address(),
             "cores": sorted(os.sched_getaffinity(0)),
             "log": self.log_path,
@@ -415,8 +416,9 @@ class RayRollout:
                     self.tokenizer_files[fname] = f.read()
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            if options.address:
-                ray.init(address=options.address, log_to_driver=False)
+            address = options.address or os.environ.get("RAY_ADDRESS", "")
+            if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
+                ray.init(address=address, log_to_driver=False)
             else:
                 need = options.num_workers * options.cpus
                 ray.init(
