@@ -505,8 +505,12 @@ class RayRollout:
         log = w.log or "the Ray worker logs (/tmp/ray/session_latest/logs on its node)"
         return f"rollout worker {w.name!r} (pid {w.pid}, node {w.node or '?'}; log: {log})"
 
-    def replace(self, slot: int, why: str) -> None:
-        """Kills the worker of `slot` and starts a replacement; raises past max_restarts."""
+    def replace(self, slot: int, why: str, on_started=None) -> None:
+        """Kills the worker of `slot` and starts a replacement; raises past max_restarts.
+
+        on_started() runs once the replacement is counted and launched, before it is ready
+        (the caller re-dispatches the lost work there, so the counters lead the re-dispatch).
+        """
         what = f"{self.describe(slot)}: {why}"
         self.lost.append(what)
         self._kill(self.workers[slot].handle)
@@ -518,6 +522,9 @@ class RayRollout:
                 )
             self.restarts += 1
             self.workers[slot] = self._start(slot, self.restarts)
+            if on_started is not None:
+                on_started()
+                on_started = None
             try:
                 self._wait_ready(slot)
                 return
@@ -788,10 +795,10 @@ def ray_rollout_loop(pool, slot, coord, buffer, work, sampling, stats, max_group
             try:
                 groups = pool.run(slot, work(admitted), sampling, stopped=lambda: coord.stopped)
             except WorkerLost as e:
-                coord.requeue([g for g, _ in admitted])
                 if coord.stopped:
                     return
-                pool.replace(slot, str(e))
+                lost = [g for g, _ in admitted]
+                pool.replace(slot, str(e), on_started=lambda lost=lost: coord.requeue(lost))
                 continue
             if groups is None or coord.stopped:
                 return

@@ -212,10 +212,13 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
     trainer.make_engine = make_and_watch
     log = trainer.writer.log
 
-    def kill_while_generating():  # after update 1, the moment worker 0 runs groups
+    def needed_inflight():  # groups worker 0 is running that the run must train
+        return [g for g in seen["pool"].inflight.get(0, []) if g < total * B]
+
+    def kill_while_generating():  # after update 1, the moment worker 0 runs needed groups
         pool = seen["pool"]
         t0 = time.perf_counter()
-        while not pool.inflight.get(0) and time.perf_counter() - t0 < 60:
+        while not needed_inflight() and time.perf_counter() - t0 < 60:
             time.sleep(0.001)
         seen["inflight"] = list(pool.inflight.get(0, []))
         seen["killed"] = pool.pids()[0]
