@@ -447,9 +447,14 @@ class VLLMEngine:
             raise first_error
         return [f.result() for f in futures]
 
-    def _cancel(self, call: _Call, timeout_s: float = 10.0) -> None:
-        """Stops one generate() call's requests (and only those) after one of them failed."""
-        end = time.monotonic() + timeout_s
+    def _cancel(self, call: _Call, min_timeout_s: float = 10.0) -> None:
+        """Stops one generate() call's requests (and only those) after one of them failed.
+
+        Aborts are repeated until every request of the call has returned, up to the call's
+        deadline (at least `min_timeout_s`): a host whose API process is starved of CPU can
+        take seconds to act on one, and a request left running would hold the host.
+        """
+        end = max(call.end, time.monotonic() + min_timeout_s)
         with self._cond:
             call.failed = True
             self._cond.notify_all()
