@@ -261,10 +261,11 @@ class FakeVLLM:
     """A stand-in for vLLM's HTTP API: emits token (last prompt id + i + 1) % 128 every
     `token_s` seconds with log-prob -0.5, honours /abort_requests, logs every call."""
 
-    def __init__(self, token_s: float = 0.002, fail_reload: bool = False):
+    def __init__(self, token_s: float = 0.002, fail_reload: bool = False, drop: int = 0):
         import http.server
 
         self.token_s, self.fail_reload = token_s, fail_reload
+        self.drop = drop  # completions answered by closing the connection, no response
         self.calls: list[str] = []
         self.prompts: list[list[int]] = []
         self.version, self.abort_epoch, self.active, self.max_active = "default", 0, 0, 0
@@ -294,6 +295,11 @@ class FakeVLLM:
                 body = json.loads(self.rfile.read(n) or b"{}")
                 fake.calls.append(self.path)
                 if self.path == "/v1/completions":
+                    with fake.lock:
+                        dropped, fake.drop = fake.drop > 0, max(fake.drop - 1, 0)
+                    if dropped:  # as a server closing a reused keep-alive connection
+                        self.close_connection = True
+                        return
                     return self.reply(200, fake.complete(body))
                 if self.path == "/update_weight_version":
                     fake.version = body["new_version"]
@@ -369,6 +375,22 @@ def test_dispatch_spreads_over_hosts_and_survives_a_dead_one():
         gens = engine.generate(requests_for(PROMPTS, "failover", max_new_tokens=5))
         assert all(g.token_ids.tolist() == expected_tokens(p, 5) for p, g in zip(PROMPTS, gens))
         assert engine.health() == {a.url: True, b.url: False}
+    finally:
+        engine.close()
+        a.close()
+
+
+def test_connection_closed_without_response_is_retried_on_a_healthy_host():
+    """A request that dies with its connection ("Remote end closed connection without
+    response", a server closing a reused keep-alive connection) is retried; the host, which
+    still answers /health, stays healthy."""
+    a = FakeVLLM(drop=2)
+    engine = VLLMEngine([a.url], version=1, max_retries=3, deadline_s=30)
+    try:
+        gens = engine.generate(requests_for(PROMPTS, "dropped", max_new_tokens=5))
+        assert all(g.token_ids.tolist() == expected_tokens(p, 5) for p, g in zip(PROMPTS, gens))
+        assert a.calls.count("/v1/completions") == len(PROMPTS) + 2
+        assert engine.health() == {a.url: True}
     finally:
         engine.close()
         a.close()

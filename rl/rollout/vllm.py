@@ -613,9 +613,13 @@ class VLLMEngine:
                 host.failure_message(f"no answer within {timeout_s:.1f} s"), host_down=False
             ) from None
         except requests.RequestException as e:
+            # A pooled keep-alive connection the server closed as it was reused fails the same
+            # way as a dead host ("Remote end closed connection without response"): the host is
+            # down only if its process exited or /health does not answer.
+            down = not host.is_healthy(timeout_s=5.0)
             raise _RetryableError(
                 host.failure_message(f"connection failed ({type(e).__name__}: {e})"),
-                host_down=True,
+                host_down=down,
             ) from None
         if resp.status_code >= 500:
             raise _RetryableError(
