@@ -1,4 +1,4 @@
-"""python -m launch.sweep --config configs/sweeps/NAME.yaml [--parallel N] [--out DIR]
+"""python -m launch.sweep --config configs/sweeps/NAME.yaml [--parallel N] [--out DIR] [--ray]
 
 Runs a grid (or list) of config overrides as separate `launch.train` processes and tabulates
 their metrics. A sweep file:
@@ -10,6 +10,11 @@ their metrics. A sweep file:
       algorithm.loss: [ppo_clip, decoupled_ppo]
     seeds: [0, 1]                       # every run repeated per seed (empty: the config's)
     metrics: [eval/accuracy, reward/mean]
+
+Runs go one at a time by default, `--parallel N` at once as local processes, or with `--ray` as
+Ray tasks (each reserving `--ray-cpus` CPUs, at most `--parallel` at once) on a local cluster or
+the one `--ray-address` / RAY_ADDRESS names; on a multi-node cluster OUT must be on a filesystem
+every node shares, and this checkout importable at the same path there.
 
 Each run trains in OUT/<run>/ with its log in OUT/<run>/train.log. A finished run leaves a DONE
 marker holding its summary and is skipped when the sweep is invoked again; a failed run is
@@ -302,15 +307,77 @@ def _has_checkpoint(run_dir: str) -> bool:
     return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
 
 
+def _run_logged(cmd: list[str], log_path: str, env: dict) -> int:
+    """Runs cmd with its output appended to log_path (in a Ray task: on that node); its exit code.
+
+    Cancelled (KeyboardInterrupt from ray.cancel), it stops the trainer before returning.
+    """
+    with open(log_path, "a") as log:
+        log.write(f"[ray task: pid {os.getpid()} on {os.uname().nodename}]\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            return proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+
+
+class _RayProc:
+    """A run as a Ray task, with the part of Popen's interface the sweep uses."""
+
+    def __init__(self, cmd: list[str], log_path: str, env: dict, num_cpus: float):
+        import ray
+
+        self._ray = ray
+        task = ray.remote(num_cpus=num_cpus, max_retries=0)(_run_logged)
+        self.ref = task.remote(cmd, log_path, env)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _ = self._ray.wait([self.ref], timeout=0)
+            if ready:
+                try:
+                    self.returncode = int(self._ray.get(self.ref))
+                except Exception:  # noqa: BLE001 - the task or its worker died: a failed run
+                    self.returncode = 1
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._ray.cancel(self.ref)  # KeyboardInterrupt in the task: it stops the trainer
+
+    def kill(self) -> None:
+        self._ray.cancel(self.ref, force=True)
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired("ray task", timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
 class _Running:
-    def __init__(self, run: RunSpec, run_dir: str, cmd: list[str], env: dict):
+    def __init__(
+        self, run: RunSpec, run_dir: str, cmd: list[str], env: dict, ray_cpus: float | None = None
+    ):
         self.run, self.run_dir, self.cmd = run, run_dir, cmd
         self.log_path = os.path.join(run_dir, LOG)
         self.log = open(self.log_path, "a")  # noqa: SIM115 - closed in finish(); keeps earlier tries
         self.log.write("$ " + shlex.join(cmd) + "\n")
         self.log.flush()
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        if ray_cpus is None:
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        else:
+            self.proc = _RayProc(cmd, self.log_path, env, ray_cpus)
 
     def finish(self, rc: int) -> dict:
         self.log.close()
@@ -339,11 +406,19 @@ class _Running:
 
 
 def run_sweep(
-    sweep: Sweep, out: str, *, parallel: int = 1, stream: TextIO | None = None
+    sweep: Sweep,
+    out: str,
+    *,
+    parallel: int = 1,
+    stream: TextIO | None = None,
+    ray_cpus: float | None = None,
 ) -> list[dict]:
-    """Runs every run not yet DONE (`parallel` at a time); writes and returns the results."""
+    """Runs every run not yet DONE (`parallel` at a time, as Ray tasks of `ray_cpus` CPUs if
+    given, on the cluster ray is connected to); writes and returns the results."""
     if parallel < 1:
         raise ValueError(f"parallel={parallel}: must be >= 1")
+    if ray_cpus is not None and ray_cpus <= 0:
+        raise ValueError(f"ray_cpus={ray_cpus}: must be > 0")
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
@@ -375,7 +450,7 @@ def run_sweep(
                 os.makedirs(run_dir, exist_ok=True)
                 resume = _has_checkpoint(run_dir)
                 cmd = command(sweep, run, run_dir, resume=resume)
-                running.append(_Running(run, run_dir, cmd, env))
+                running.append(_Running(run, run_dir, cmd, env, ray_cpus))
                 started += 1
                 say(
                     f"start {run.name} ({started}/{total - skipped}){' resuming' if resume else ''}"
@@ -513,9 +588,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--out", help="output directory (default: <run_root>/<sweep name>)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--ray", action="store_true", help="run each run as a Ray task")
+    parser.add_argument(
+        "--ray-address",
+        default="",
+        help="with --ray: cluster to join (default: RAY_ADDRESS, else a local one)",
+    )
+    parser.add_argument(
+        "--ray-cpus", type=float, default=1.0, help="with --ray: CPUs each run reserves (default 1)"
+    )
     args = parser.parse_args(argv)
     if args.parallel < 1:
         parser.error(f"--parallel {args.parallel}: must be >= 1")
+    if args.ray_cpus <= 0:
+        parser.error(f"--ray-cpus {args.ray_cpus}: must be > 0")
     try:
         sweep = load(args.config)
         out = args.out or os.path.join(
@@ -530,7 +616,21 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = os.path.abspath(os.path.join(out, run.name))
             print(shlex.join(command(sweep, run, run_dir)))
         return 0
-    rows = run_sweep(sweep, out, parallel=args.parallel)
+    started_ray = False
+    if args.ray:
+        import ray
+
+        if not ray.is_initialized():
+            address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            started_ray = True
+    try:
+        rows = run_sweep(
+            sweep, out, parallel=args.parallel, ray_cpus=args.ray_cpus if args.ray else None
+        )
+    finally:
+        if started_ray:
+            ray.shutdown()
     print()
     print(markdown_table(rows), end="")
     print(f"\nresults: {os.path.join(out, 'results.csv')}, {os.path.join(out, 'results.md')}")

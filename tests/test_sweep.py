@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 
 import pytest
 import yaml
@@ -256,3 +257,24 @@ def test_interrupted_run_is_resumed(tmp_path):
     sw = S.load(SMOKE)
     assert S.command(sw, sw.runs[0], str(run_dir), resume=True)[-1] == "--resume"
     assert "--resume" not in S.command(sw, sw.runs[0], str(run_dir))
+
+
+def test_smoke_sweep_on_ray(tmp_path, capsys):
+    """--ray: each run is a Ray task in a worker process (its pid in the log), results as usual."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    code = S.main(
+        ["--config", SMOKE, "--out", str(out), "--ray", "--parallel", "2", "--ray-cpus", "1"]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "ran 2, skipped 0, failed 0" in printed
+    rows = {r["run"]: r for r in _read_csv(out / "results.csv")}
+    assert list(rows) == ["sync_seed-0", "async_seed-0"]
+    for name, row in rows.items():
+        assert row["status"] == "ok"
+        assert 0.0 <= float(row["eval/accuracy:final"]) <= 1.0
+        log = (out / name / S.LOG).read_text()
+        pids = [int(m) for m in re.findall(r"\[ray task: pid (\d+) on ", log)]
+        assert len(pids) == 1 and pids[0] != os.getpid(), log[:400]
+        assert json.loads((out / name / "DONE").read_text())["status"] == "ok"
