@@ -637,12 +637,15 @@ def start_long(side: Side, tag: str, n: int = LONG, **kwargs):
     return thread, box
 
 
-def interrupt_long(side: Side, tag: str, action, accept, n=LONG, tries=3) -> Generation:
+def interrupt_long(side: Side, tag: str, action, accept, n=LONG, tries=6) -> Generation:
     """Runs `action` while a long request is frozen mid-generation; retries if it finished first.
 
     The freeze (pause 'keep' once vLLM has produced a token for the request) makes the timing
-    deterministic on a loaded machine, where vLLM's output arrives in bursts seconds apart.
+    deterministic on a loaded machine, where vLLM's output arrives in bursts seconds apart. A
+    short request first warms the host (after a start or a reload its first tokens come late),
+    so the long one is observed while it generates.
     """
+    side.engine.generate(requests_for([PROMPTS[1]], f"{tag}-warm", max_new_tokens=8))
     for _ in range(tries):
         since = metric(side.host.url, "vllm:generation_tokens_total")
         thread, box = start_long(side, f"{tag}-{_}", n)
