@@ -1,9 +1,9 @@
 """python -m launch.bench async: the real trainer, synchronous vs fully async, same samples.
 
-Both runs use one config (tiny model, bfloat16 compute by default, the long-tailed synthetic
-task `longtail`, no supervised stage, trainer.pin_cores: the rollout engine in a child process
-pinned to --rollout-cores, this learner process pinned to the remaining cores), so they compare
-like with like. The sync run (eta 0) gives
+Both runs use one config (the --preset model, tiny by default, bfloat16 compute by default, the
+long-tailed synthetic task `longtail`, no supervised stage, trainer.pin_cores: the rollout engine
+in a child process pinned to --rollout-cores, this learner process pinned to the remaining cores),
+so they compare like with like. The sync run (eta 0) gives
   G  generation busy time, measured inside the rollout process (union of generate calls), and
   T  learner busy time: train step + weight sync (timing/train_step + the time from the
      learner's update_weights call to the rollout process serving the weights),
@@ -22,6 +22,12 @@ own speedup and ideal (from its own sync run), and the RESULT holds the medians 
 Each run also reports the CPU time each process got while busy (cpu/busy): well below 100% means
 other processes on the machine took its core, and the run measured the machine, not the overlap.
 
+With --rollout-devices (a host with several accelerators, e.g. two GPUs) the split is by device
+instead of by core: the rollout is an in-process JaxEngine on those devices (weights moved device
+to device by jax.device_put), the learner's mesh (data parallel) holds --learner-devices (default:
+the other devices), nothing is pinned, and cpu/busy reads n/a (one process). G is then the wall
+time during which the engine has a batch running.
+
 --transport picks how rollout and learner talk: `local` (the rollout process is a pinned child
 over a pipe), `ray` (one rollout worker actor, pinned to the same cores, weights and episode
 batches through the Ray object store; the learner stays in this process), or `local,ray`: both
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -73,7 +80,7 @@ class RunTiming:
 def _overrides(args, mode: str, partial: str, transport: str = "local") -> list[str]:
     ppu, group = args.prompts, args.group
     return [
-        "model.preset=tiny",
+        f"model.preset={args.preset}",
         f"model.dtype={args.dtype}",
         "task.name=longtail",
         f"task.num_eval={args.num_eval}",
@@ -86,21 +93,37 @@ def _overrides(args, mode: str, partial: str, transport: str = "local") -> list[
         f"rollout.batch_size={ppu * group}",
         "algorithm.filter_zero_advantage=false",
         f"learner.minibatches={args.minibatches}",
+        f"learner.logprob_chunk={args.logprob_chunk}",
+        f"learner.micro_batch_size={args.micro_batch}",
         f"trainer.mode={mode}",
         f"trainer.max_staleness={0 if mode == 'sync' else args.eta}",
         f"trainer.partial={partial}",
         f"trainer.total_updates={args.warmup + args.updates + 1}",
         "trainer.eval_every=0",
         "trainer.checkpoint_every=0",
-        "trainer.pin_cores=true",
-        f"trainer.rollout_cores={json.dumps(args.rollout_cores)}",
-        f"trainer.learner_cores={json.dumps(args.learner_cores)}",
+        *_placement(args),
         f"trainer.deadline_s={args.deadline}",
         f"trainer.transport={transport}",
         "trainer.ray.num_workers=1",
         "logging.tensorboard=false",
         "logging.progress=false",
         "logging.save_episodes=0",
+    ]
+
+
+def _placement(args) -> list[str]:
+    """Overrides that split the host: by device (--rollout-devices) or by CPU core (default)."""
+    if args.rollout_devices:
+        return [
+            "trainer.pin_cores=false",
+            f"trainer.rollout_devices={json.dumps(args.rollout_devices)}",
+            f"trainer.learner_devices={json.dumps(args.learner_devices)}",
+            f"learner.mesh.data={len(args.learner_devices_resolved)}",
+        ]
+    return [
+        "trainer.pin_cores=true",
+        f"trainer.rollout_cores={json.dumps(args.rollout_cores)}",
+        f"trainer.learner_cores={json.dumps(args.learner_cores)}",
     ]
 
 
@@ -158,11 +181,12 @@ def run_once(
     def log_with_busy(step, version, row):  # the child's counters as of this update's sync
         if engines:
             now = time.perf_counter()
+            pid = engines[0].pid  # an in-process engine's CPU time is not its own: n/a
             snaps[step] = dict(
                 engines[0].refresh_stats(),
                 now=now,
                 learner_cpu=_cpu_seconds(os.getpid()),
-                rollout_cpu=_cpu_seconds(engines[0].pid),
+                rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
             )
         return log(step, version, row)
 
@@ -230,15 +254,20 @@ def _loadavg() -> str:
         return "n/a"
 
 
+def _share(cpu_s: float, busy_s: float) -> str:
+    """CPU seconds per busy second as a percentage ('n/a' when not measurable)."""
+    return "n/a" if math.isnan(cpu_s) else f"{cpu_s / max(busy_s, 1e-9):4.0%}"
+
+
 def _print_run(t: RunTiming, load: str) -> None:
     """One run's window: each side's busy time, utilisation and the core share it got."""
     busy_l = t.train_s + t.sync_s
     print(
         f"{t.transport:5s} {t.mode:5s} {t.partial:8s} window {t.wall_s:6.2f}s | rollout: "
         f"generating {t.gen_busy_s:6.2f}s ({t.gen_busy_s / t.wall_s:4.0%}), cpu/busy "
-        f"{t.rollout_cpu_s / max(t.gen_busy_s, 1e-9):4.0%} | learner: train {t.train_s:6.2f}s + "
+        f"{_share(t.rollout_cpu_s, t.gen_busy_s)} | learner: train {t.train_s:6.2f}s + "
         f"sync {t.sync_s:4.2f}s ({busy_l / t.wall_s:4.0%}), wait {t.wait_s:6.2f}s, cpu/busy "
-        f"{t.learner_cpu_s / max(busy_l, 1e-9):4.0%} | staleness max {t.staleness_max:.0f}, "
+        f"{_share(t.learner_cpu_s, busy_l)} | staleness max {t.staleness_max:.0f}, "
         f"partial {t.partial_ratio:.2f}, new shapes {t.new_shapes}, transfer "
         f"{t.weight_transfer_s * 1e3:.0f}ms | "
         f"load [{load}]",
@@ -266,9 +295,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="longest generation budget")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index of the budgets")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per update")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=("tiny", "qwen2_0p5b", "qwen2_1p5b"),
+        help="model shape (random init; a GPU needs more than tiny to keep both sides busy)",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=0, help="learner.micro_batch_size (0 = whole batch)"
+    )
+    p.add_argument(
+        "--logprob-chunk", type=int, default=0, help="learner.logprob_chunk (large vocabularies)"
+    )
     p.add_argument("--num-eval", type=int, default=8, help="held-out problems (start/end eval)")
     p.add_argument("--rollout-cores", type=int, nargs="+", default=[0])
     p.add_argument("--learner-cores", type=int, nargs="*", default=[])
+    p.add_argument(
+        "--rollout-devices",
+        type=int,
+        nargs="*",
+        default=[],
+        help="split by device, not core: the rollout engine's jax.devices() indices (e.g. 0)",
+    )
+    p.add_argument(
+        "--learner-devices",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --rollout-devices: the learner's devices (default: every other device)",
+    )
     p.add_argument("--deadline", type=float, default=600.0, help="trainer.deadline_s")
     p.add_argument("--run-root", help="where run directories go (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of (sync, async) runs")
@@ -297,16 +352,33 @@ def main(argv: list[str] | None = None) -> int:
         print("--group must be >= 2 and --eta >= 0", file=sys.stderr)
         return 2
     args.warmup = args.eta + 1
-    # Before anything initialises JAX's backend (XLA sizes its thread pool from the mask).
-    split = core_split(args.rollout_cores, args.learner_cores)
-    pin_learner(split.learner)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.rollout_devices:  # one process; the trainer validates the indices
+        if transports != ["local"]:
+            print("--rollout-devices needs --transport local", file=sys.stderr)
+            return 2
+        import jax
+
+        devices = jax.devices()
+        args.learner_devices_resolved = args.learner_devices or [
+            i for i in range(len(devices)) if i not in args.rollout_devices
+        ]
+        names = {i: str(d) for i, d in enumerate(devices)}
+        where = (
+            f"rollout devices {[names.get(i, i) for i in args.rollout_devices]}, learner devices "
+            f"{[names.get(i, i) for i in args.learner_devices_resolved]} (jax {jax.__version__})"
+        )
+    else:
+        # Before anything initialises JAX's backend (XLA sizes its thread pool from the mask).
+        split = core_split(args.rollout_cores, args.learner_cores)
+        pin_learner(split.learner)
+        where = f"rollout cores {list(split.rollout)}, learner cores {list(split.learner)}"
     print(
-        f"async bench: tiny model ({args.dtype}), longtail budgets Pareto({args.alpha}) in "
-        f"[{args.min_tokens}, {args.max_tokens}], {args.prompts} prompts x {args.group} samples "
-        f"per update, K={args.updates} timed updates after W={args.warmup}, {args.repeats} "
-        f"round(s); rollout cores {list(split.rollout)}, learner cores {list(split.learner)}; "
-        f"async eta={args.eta}; transport {', '.join(transports)}",
+        f"async bench: {args.preset} model ({args.dtype}), longtail budgets "
+        f"Pareto({args.alpha}) in [{args.min_tokens}, {args.max_tokens}], {args.prompts} prompts "
+        f"x {args.group} samples per update, K={args.updates} timed updates after "
+        f"W={args.warmup}, {args.repeats} round(s); {where}; async eta={args.eta}; "
+        f"transport {', '.join(transports)}",
         flush=True,
     )
     run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")

@@ -187,6 +187,16 @@ class TrainerSection:
     learner_cores: list[int] = F(
         [], "pin_cores: CPU cores of the learner process; empty = every core not for rollout"
     )
+    rollout_devices: list[int] = F(
+        [],
+        "local: devices (jax.devices() indices) of the in-process rollout engine, weights moved "
+        "by jax.device_put; empty = no split",
+    )
+    learner_devices: list[int] = F(
+        [],
+        "with rollout_devices: devices of the learner's mesh (learner.mesh must use them all); "
+        "empty = every device not for rollout",
+    )
     eval_every: int = F(
         10, "evaluate on the held-out split every this many updates (0 = start/end)"
     )
@@ -368,6 +378,7 @@ def _check_ranges(cfg: RunConfig) -> None:
             f"trainer.pin_cores: true needs rollout.engine 'jax' (the pinned rollout process "
             f"runs the JAX sampler), got {cfg.rollout.engine!r}"
         )
+    _check_device_split(cfg)
     if cfg.trainer.transport == "ray":
         ray = cfg.trainer.ray
         positive("trainer.ray.num_workers", ray.num_workers)
@@ -394,6 +405,50 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(
             f"learner.minibatches: invalid value {cfg.learner.minibatches}; must divide "
             f"prompts_per_update * group_size = {n_seq}"
+        )
+
+
+def _check_device_split(cfg: RunConfig) -> None:
+    """trainer.rollout_devices / learner_devices: a valid split of one host's devices."""
+    t = cfg.trainer
+    for key in ("rollout_devices", "learner_devices"):
+        ids = getattr(t, key)
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ConfigError(
+                f"trainer.{key}: invalid value {ids}; must list distinct device indices >= 0"
+            )
+    if not t.rollout_devices:
+        if t.learner_devices:
+            raise ConfigError(
+                f"trainer.learner_devices: {t.learner_devices} needs trainer.rollout_devices "
+                "(the devices the learner leaves to the rollout engine); set both, or neither"
+            )
+        return
+    both = sorted(set(t.rollout_devices) & set(t.learner_devices))
+    if both:
+        raise ConfigError(
+            f"trainer.learner_devices: {t.learner_devices} overlaps trainer.rollout_devices "
+            f"{t.rollout_devices} on {both}; each device is the rollout's or the learner's"
+        )
+    why = []
+    if t.transport != "local":
+        why.append(f"trainer.transport 'local' (got {t.transport!r}; ray: trainer.ray.worker_gpus)")
+    if cfg.rollout.engine != "jax":
+        why.append(f"rollout.engine 'jax' (got {cfg.rollout.engine!r})")
+    if t.pin_cores:
+        why.append("trainer.pin_cores false (pin_cores splits CPU cores between two processes)")
+    if why:
+        raise ConfigError(
+            f"trainer.rollout_devices: {t.rollout_devices} (an in-process rollout engine on its "
+            f"own devices) needs {' and '.join(why)}"
+        )
+    m = cfg.learner.mesh
+    n = m.data * m.fsdp * m.tensor
+    if t.learner_devices and n != len(t.learner_devices):
+        raise ConfigError(
+            f"trainer.learner_devices: {t.learner_devices} ({len(t.learner_devices)} devices) "
+            f"but learner.mesh {m.data}x{m.fsdp}x{m.tensor} uses {n}; the mesh must use every "
+            "learner device (data * fsdp * tensor = their number)"
         )
 
 

@@ -91,6 +91,40 @@ def rl_optimizer(cfg: C.RunConfig):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceSplit:
+    """The local transport's devices: the rollout engine's and the learner mesh's (disjoint)."""
+
+    rollout: tuple  # jax.Device
+    learner: tuple  # jax.Device
+
+
+def device_split(cfg: C.RunConfig, devices=None) -> DeviceSplit | None:
+    """trainer.rollout_devices / learner_devices resolved on this host; None = no split."""
+    t, m = cfg.trainer, cfg.learner.mesh
+    if not t.rollout_devices:
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    for key in ("rollout_devices", "learner_devices"):
+        bad = [i for i in getattr(t, key) if i >= len(devices)]
+        if bad:
+            raise C.ConfigError(
+                f"trainer.{key}: {getattr(t, key)} names device(s) {bad}; this host has "
+                f"{len(devices)} {devices[0].platform} device(s), valid: 0..{len(devices) - 1}"
+            )
+    learner = t.learner_devices or [i for i in range(len(devices)) if i not in t.rollout_devices]
+    n = m.data * m.fsdp * m.tensor
+    if n != len(learner):
+        raise C.ConfigError(
+            f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} uses {n} device(s), but the learner has "
+            f"{len(learner)} (trainer.learner_devices {t.learner_devices or 'empty'} = {learner} "
+            f"beside trainer.rollout_devices {t.rollout_devices}); the mesh must use them all"
+        )
+    return DeviceSplit(
+        tuple(devices[i] for i in t.rollout_devices), tuple(devices[i] for i in learner)
+    )
+
+
 def effective_eta(cfg: C.RunConfig) -> int:
     """The staleness bound of the mode: sync 0, one_step_off 1, async max_staleness."""
     return {"sync": 0, "one_step_off": 1}.get(cfg.trainer.mode, cfg.trainer.max_staleness)
@@ -135,14 +169,16 @@ class Trainer:
         if cfg.trainer.pin_cores:  # before jax.devices(): XLA sizes its pool from the mask
             self.core_split = split_of(cfg.trainer)
             pin_learner(self.core_split.learner)
+        self.device_split = device_split(cfg)  # the rollout's devices and the learner's
         m = cfg.learner.mesh
         n_dev = m.data * m.fsdp * m.tensor
-        if n_dev > len(jax.devices()):
+        pool = self.device_split.learner if self.device_split else jax.devices()
+        if n_dev > len(pool):
             raise C.ConfigError(
                 f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
-                f"{len(jax.devices())} available"
+                f"{len(pool)} available"
             )
-        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=jax.devices()[:n_dev])
+        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=pool[:n_dev])
         self.model = self._build_model()
         self.learner = Learner(
             self.model, self._rl_tx(), mesh=self.mesh, step_cfg=self._rl_step_cfg()
@@ -232,6 +268,7 @@ class Trainer:
             version=self.learner.version,
             max_batch=self.cfg.rollout.batch_size,
             deadline_s=self.cfg.trainer.deadline_s,
+            devices=self.device_split.rollout if self.device_split else None,
         )
 
     def make_ray_rollout(self):
@@ -333,7 +370,7 @@ class Trainer:
     def publish(self, engine, version: int, on_served=None, on_error=None) -> float:
         """Moves the rollout engine to the learner's weights at `version`; returns seconds.
 
-        on_served (ProcessEngine only): return once the weights are sent and call
+        on_served (ProcessEngine, JaxEngine): return once the weights are sent and call
         on_served(version) when the engine serves them (on_error(exc) if it cannot), so the
         learner need not wait while a `drain` finishes the in-flight batch.
         """
@@ -592,8 +629,13 @@ class Trainer:
                     new_version % cfg.trainer.sync_every == 0
                     or new_version == cfg.trainer.total_updates
                 ):
-                    if isinstance(engine, ProcessEngine) or cfg.trainer.transport == "ray":
-                        # published when the rollout process (every ray worker) serves it
+                    if (
+                        isinstance(engine, ProcessEngine)
+                        or cfg.trainer.transport == "ray"
+                        or self.device_split is not None
+                    ):
+                        # published when the rollout process (every ray worker, the rollout
+                        # devices) serves it: the learner does not wait for a drain
                         t_sync = self.publish(engine, new_version, coord.publish, buffer.fail)
                     else:
                         t_sync = self.publish(engine, new_version)

@@ -5,18 +5,29 @@ programs and then reuses them. Decoding runs in jitted chunks of `chunk` tokens;
 the host checks for an abort (partial rollouts) and whether every row has finished.
 Each row samples with its own key (fold_in of the request seed and the token index), so a
 request's output does not depend on what it was batched with.
+
+The engine runs on its own `devices` (default: the first device): the params are replicated over
+them and each batch is split along its rows (data parallel), so on a host with several
+accelerators the rollout can hold devices the learner does not use (trainer.rollout_devices).
+New weights are copied device to device (jax.device_put); with `on_served`, update_weights
+returns once the copy is dispatched and a background thread installs the weights in order
+(after the in-flight batch under `drain`), so the learner does not wait for the rollout.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.transformer import init_cache
 from rl.rollout.base import Generation, GenerationRequest, SamplingParams
@@ -87,11 +98,16 @@ class JaxEngine:
         chunk: int = 16,
         max_batch: int = 128,
         deadline_s: float = 600.0,
-        device=None,
+        devices: Sequence[jax.Device] | None = None,
     ):
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.config = model.config
-        self.device = device or jax.devices()[0]
+        self.devices = list(devices) if devices else [jax.devices()[0]]
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"JaxEngine: devices {self.devices} repeat a device")
+        mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
+        self.replicated = NamedSharding(mesh, PartitionSpec())  # params, scalars
+        self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [B, ...] array
         self.params = self._own(params)
         self.version = version
         self.chunk = chunk
@@ -102,18 +118,40 @@ class JaxEngine:
         self._lock = threading.Lock()  # held while a batch generates
         self._cond = threading.Condition()
         self._pending = 0  # weight updates waiting for the lock
+        self._updates: queue.Queue | None = None  # installs of update_weights(on_served=...)
         self.traces = 0  # number of times a generation program was traced (compilations)
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("N",))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+        rows, rep = self.rows, self.replicated
+        self._prefill = jax.jit(
+            self._prefill_impl, static_argnames=("N",), out_shardings=(rows, rows, rows)
+        )
+        carry_out = (rows,) * 7 + (rep,)  # (cache, tok, pos, n, done, out_tok, out_lp), step
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), out_shardings=carry_out)
         self.stats = {"tokens": 0, "time": 0.0}
+        self.pid = os.getpid()  # the process that generates (the bench reads its CPU time)
+        self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
+        self._busy = {"total": 0.0, "since": 0.0, "active": False, "calls": 0}
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(
-        self, version: int, path: str | None = None, params=None, *, interrupt: bool = False
+        self,
+        version: int,
+        path: str | None = None,
+        params=None,
+        *,
+        interrupt: bool = False,
+        on_served=None,
+        on_error=None,
     ) -> None:
-        """Loads new weights (nnx state or HF directory); `interrupt` aborts in-flight work."""
+        """Loads new weights (nnx state or HF directory); `interrupt` aborts in-flight work.
+
+        Without on_served, returns once the engine serves them. With on_served, returns once
+        the copy onto the engine's devices is dispatched (the caller may then donate its
+        buffers) and calls on_served(version) from a background thread when the engine serves
+        them, or on_error(exception) if it cannot. Either way later generate() calls use them.
+        """
         if params is None and path is None:
             raise ValueError("update_weights needs params or path")
+        t0 = time.perf_counter()
         if params is None:
             from models import load_hf
 
@@ -125,22 +163,69 @@ class JaxEngine:
                 nnx.state(params) if isinstance(params, nnx.Module) else params,
             )
         )
+        t1 = time.perf_counter()
         with self._cond:
             self._pending += 1
         if interrupt:
             self._interrupt.set()
-        with self._lock:  # drain: waits for the in-flight batch; continue: for its chunk
-            self.params = params
-            self.version = version
-        with self._cond:
-            self._pending -= 1
-            if self._pending == 0:
-                self._interrupt.clear()
-            self._cond.notify_all()
+        if on_served is None:
+            self._install(version, params, t0, t1)
+            return
+        if self._updates is None:
+            self._updates = queue.Queue()
+            threading.Thread(target=self._install_loop, name="weights", daemon=True).start()
+        self._updates.put((version, params, t0, t1, on_served, on_error))
+
+    def _install(self, version: int, params, t0: float, t1: float) -> None:
+        """Swaps in copied weights once no batch runs (drain) or at a chunk end (continue)."""
+        try:
+            with self._lock:  # drain: waits for the in-flight batch; continue: for its chunk
+                self.params = params
+                self.version = version
+        finally:
+            with self._cond:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._interrupt.clear()
+                self._cond.notify_all()
+        t2 = time.perf_counter()
+        self.sync_times.append({"copy_s": t1 - t0, "install_s": t2 - t1, "total_s": t2 - t0})
+
+    def _install_loop(self) -> None:
+        """Installs queued weight updates in order; reports each one served (or failed)."""
+        while True:
+            version, params, t0, t1, on_served, on_error = self._updates.get()
+            try:
+                jax.block_until_ready(params)  # served = the copy has landed on the devices
+                self._install(version, params, t0, t1)
+            except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
+                if on_error is not None:
+                    on_error(e)
+                continue
+            on_served(version)
 
     def _own(self, params):
-        """A private copy on the engine's device (the learner donates its buffers)."""
-        return jax.tree.map(lambda x: jnp.array(jax.device_put(x, self.device), copy=True), params)
+        """A private copy replicated on the engine's devices (the learner donates its buffers)."""
+
+        def own(x):
+            y = jax.device_put(x, self.replicated)
+            if isinstance(x, jax.Array) and set(x.devices()) & set(self.devices):
+                y = jnp.array(y, copy=True)  # device_put may alias a buffer already there
+            return y
+
+        return jax.tree.map(own, params)
+
+    def refresh_stats(self) -> dict:
+        """Generation busy time so far (wall time with a batch running), tokens, compilations."""
+        b = self._busy
+        busy = b["total"] + (time.perf_counter() - b["since"] if b["active"] else 0.0)
+        return {
+            "busy_s": busy,
+            "generate_calls": b["calls"],
+            "tokens": self.stats["tokens"],
+            "traces": self.traces,
+            "pid": self.pid,
+        }
 
     # -- compiled programs ----------------------------------------------------------------
     def _prefill_impl(self, params, tokens_BT, lengths_B, keys_B2, temp_B, topk_B, topp_B, N):
@@ -207,6 +292,7 @@ class JaxEngine:
         t0 = time.perf_counter()
         n = len(reqs)
         B = min(_bucket(n, BATCH_BUCKETS), max(self.max_batch, n))
+        B = -(-B // len(self.devices)) * len(self.devices)  # rows split evenly over devices
         prompt_lens = np.array([len(r.prompt_ids) for r in reqs], np.int32)
         if prompt_lens.min() < 1:
             raise ValueError("every request needs a prompt of at least one token")
@@ -253,15 +339,27 @@ class JaxEngine:
                     Generation(r.request_id, empty, np.zeros(0, np.float32), empty, "abort")
                     for r in reqs
                 ]
-            return self._generate_locked(
-                reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
-            )
+            self._busy.update(since=time.perf_counter(), active=True)
+            self._busy["calls"] += 1
+            try:
+                return self._generate_locked(
+                    reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
+                )
+            finally:
+                self._busy["total"] += time.perf_counter() - self._busy["since"]
+                self._busy["active"] = False
 
     def _generate_locked(
         self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
     ):
         params, version = self.params, self.version
-        tok, lp, cache = self._prefill(params, tokens, lengths, keys, temp, topk, topp, N=N)
+        # Every [B, ...] input split along rows over the engine's devices, once per batch, like
+        # the decode outputs fed back in: a mix of host and device arrays (or of shardings) is a
+        # different jit signature (a second trace and compile).
+        keys, temp, topk, topp, maxnew_d, stop_d, tokens_d, lengths_d = jax.device_put(
+            (keys, temp, topk, topp, maxnew, stop_BS, tokens, lengths), self.rows
+        )
+        tok, lp, cache = self._prefill(params, tokens_d, lengths_d, keys, temp, topk, topp, N=N)
         out_tok = np.zeros((B, N), np.int32)
         out_lp = np.zeros((B, N), np.float32)
         tok_np, lp_np = np.asarray(tok), np.asarray(lp)
@@ -269,18 +367,15 @@ class JaxEngine:
         n_gen = np.ones(B, np.int32)
         done = (tok_np[:, None] == stop_BS).any(-1) | (maxnew <= 1)
         done[n:] = True
-        # Every leaf committed to the engine's device, like the decode outputs fed back in: a mix
-        # of host and device arrays is a different jit signature (a second trace and compile).
-        carry = jax.device_put(
-            (cache, tok, lengths, n_gen, done, out_tok, out_lp, np.zeros((), np.int32)),
-            self.device,
-        )
+        rows_carry = (cache, tok, lengths, n_gen, done, out_tok, out_lp)
+        step = np.zeros((), np.int32)
+        carry = (*jax.device_put(rows_carry, self.rows), jax.device_put(step, self.replicated))
         aborted = False
         while not bool(np.all(np.asarray(carry[4]))):
             if self._abort.is_set() or self._interrupt.is_set():
                 aborted = True
                 break
-            carry = self._decode(params, carry, keys, temp, topk, topp, maxnew, stop_BS)
+            carry = self._decode(params, carry, keys, temp, topk, topp, maxnew_d, stop_d)
         _, _, _, n_gen, done, out_tok, out_lp, _ = jax.device_get(carry)
         gens = []
         for i, r in enumerate(reqs):
