@@ -307,6 +307,16 @@ def _has_checkpoint(run_dir: str) -> bool:
     return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
 
 
+def _stop(proc, grace_s: float = 20.0) -> None:
+    """Terminates proc (a Popen or a _RayProc), then kills it if it outlives grace_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _run_logged(cmd: list[str], log_path: str, env: dict) -> int:
     """Runs cmd with its output appended to log_path (in a Ray task: on that node); its exit code.
 
@@ -319,12 +329,7 @@ def _run_logged(cmd: list[str], log_path: str, env: dict) -> int:
         try:
             return proc.wait()
         except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
             raise
 
 
@@ -396,12 +401,7 @@ class _Running:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _stop(self.proc)
         self.log.close()
 
 

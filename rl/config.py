@@ -63,8 +63,13 @@ class TaskSection:
 class SFTSection:
     steps: int = F(150, "supervised warm-start steps before RL (0 = none)")
     batch_size: int = F(128, "demonstrations per supervised step")
-    lr: float = F(1e-3, "supervised learning rate (AdamW, warmup then cosine)")
+    lr: float = F(1e-3, "supervised learning rate (AdamW after warmup)")
     warmup_steps: int = F(10, "supervised warmup steps")
+    schedule: Literal["constant", "cosine"] = F(
+        "constant",
+        "supervised schedule after warmup (cosine decay leaves a sharp minimum that RL steps "
+        "at lr >= 1e-4 fall out of: README 'Main job')",
+    )
     continue_optimizer: bool = F(
         False, "RL keeps the warm start's optimizer moments (one optimizer for both stages)"
     )
@@ -399,6 +404,20 @@ def _check_ranges(cfg: RunConfig) -> None:
                 f"learner.micro_batch_size: invalid value {cfg.learner.micro_batch_size}; must "
                 f"divide the minibatch of {n} sequences (prompts_per_update * group_size / "
                 "minibatches)"
+            )
+    a = cfg.algorithm
+    if cfg.learner.pack:
+        positive("learner.pack_length", cfg.learner.pack_length)
+        if a.aggregation != "token_mean":
+            raise ConfigError(
+                f"learner.pack: true needs algorithm.aggregation 'token_mean' (a packed row holds "
+                f"several sequences), got {a.aggregation!r}; or set learner.pack: false"
+            )
+        if a.loss == "gspo" or a.is_correction.endswith("_seq"):
+            raise ConfigError(
+                f"learner.pack: true needs a token-level loss, got algorithm.loss {a.loss!r} with "
+                f"is_correction {a.is_correction!r}; valid: ppo_clip / decoupled_ppo with none or "
+                "*_token corrections, or learner.pack: false"
             )
     n_seq = cfg.rollout.prompts_per_update * cfg.rollout.group_size
     if n_seq % cfg.learner.minibatches:

@@ -27,6 +27,22 @@ def bucket(n: int, multiple: int = 16) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Packs sequences of `lengths` into rows of row_len tokens (first-fit decreasing)."""
+    rows: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(space):
+            if free >= lengths[i]:
+                rows[r].append(i)
+                space[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            space.append(row_len - lengths[i])
+    return rows
+
+
 def make_batch(
     episodes: Sequence[Episode],
     advantages: Sequence[float],
@@ -44,20 +60,7 @@ def make_batch(
         row_len = bucket(max(lengths) if lengths else 1)
     if max(lengths, default=0) > row_len:
         raise ValueError(f"episode of {max(lengths)} targets does not fit row_len={row_len}")
-    rows: list[list[int]] = []
-    if pack:  # first-fit decreasing by length
-        space: list[int] = []
-        for i in sorted(range(len(episodes)), key=lambda i: -lengths[i]):
-            for r, free in enumerate(space):
-                if free >= lengths[i]:
-                    rows[r].append(i)
-                    space[r] -= lengths[i]
-                    break
-            else:
-                rows.append([i])
-                space.append(row_len - lengths[i])
-    else:
-        rows = [[i] for i in range(len(episodes))]
+    rows = pack_rows(lengths, row_len) if pack else [[i] for i in range(len(episodes))]
     if num_rows is None:
         num_rows = len(rows)
     if len(rows) > num_rows:

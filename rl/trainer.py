@@ -31,7 +31,15 @@ from rl.algorithms import losses as L
 from rl.buffer import GroupBuffer
 from rl.checkpoint import Checkpointer
 from rl.coordinator import Coordinator
-from rl.learner import Learner, StepConfig, bucket, make_batch, make_optimizer, make_schedule
+from rl.learner import (
+    Learner,
+    StepConfig,
+    bucket,
+    make_batch,
+    make_optimizer,
+    make_schedule,
+    pack_rows,
+)
 from rl.metrics import MetricsWriter, staleness_metrics
 from rl.rollout.base import SamplingParams
 from rl.rollout.jax_engine import JaxEngine
@@ -78,7 +86,7 @@ def rl_optimizer(cfg: C.RunConfig):
     )
     if s.steps > 0 and s.continue_optimizer:  # one optimizer, one step count, both stages
         warm = make_schedule(
-            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule="cosine"
+            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
         )
         sched = optax.join_schedules([warm, sched], [s.steps])
     return make_optimizer(
@@ -431,7 +439,7 @@ class Trainer:
         self.learner.set_step_cfg(StepConfig(loss="sft", temperature=1.0))
         if not s.continue_optimizer:
             tx = make_optimizer(
-                s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule="cosine"
+                s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
             )
             self.learner.reset_optimizer(tx)
         problems = self.task.problems("train", s.steps * s.batch_size)
@@ -610,7 +618,7 @@ class Trainer:
         t_start = time.perf_counter()
         last = {"time": t_start, "tokens": 0, "gen": 0.0, "wait": 0.0}
         wait_total = 0.0
-        row_len = bucket(self._max_len())
+        row_len = cfg.learner.pack_length if cfg.learner.pack else bucket(self._max_len())
         try:
             for version in range(start_version, cfg.trainer.total_updates):
                 t0 = time.perf_counter()
@@ -619,9 +627,7 @@ class Trainer:
                 wait_total += t_wait
                 adv = self.advantages(groups)
                 eps = [e for g in groups for e in g.episodes]
-                batch = make_batch(
-                    eps, adv.reshape(-1), num_rows=self.B * self.n, row_len=row_len, pack=False
-                )
+                batch = self.rl_batch(eps, adv.reshape(-1), row_len)
                 met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
                 new_version = self.learner.version
                 t_sync = 0.0
@@ -671,6 +677,32 @@ class Trainer:
         summary["eval/accuracy_end"] = summary.get("eval/accuracy")
         return summary
 
+    def rl_batch(self, eps: list[Episode], adv, row_len: int):
+        """The update's TrainBatch: one row per episode, or (learner.pack) packed rows.
+
+        Packed, the row count is rounded up to `unit` x a power of two (unit = minibatches x
+        micro-batches x data-parallel size, so every split is even): a handful of shapes, so a
+        handful of compilations, however the lengths vary.
+        """
+        if not self.cfg.learner.pack:
+            return make_batch(eps, adv, num_rows=self.B * self.n, row_len=row_len)
+        longest = max(len(e.tokens) - 1 for e in eps)
+        if longest > row_len:
+            raise ValueError(
+                f"learner.pack_length: invalid value {row_len}; an episode has {longest} "
+                f"targets (raise pack_length or lower rollout.max_new_tokens)"
+            )
+        rows = len(pack_rows([len(e.tokens) - 1 for e in eps], row_len))
+        shape = dict(self.mesh.shape)
+        unit = (
+            self.cfg.learner.minibatches
+            * self._rl_step_cfg().micro_batches
+            * shape.get("data", 1)
+            * shape.get("fsdp", 1)
+        )
+        num_rows = unit * 2 ** max(0, int(np.ceil(np.log2(-(-rows // unit)))))
+        return make_batch(eps, adv, num_rows=num_rows, row_len=row_len, pack=True)
+
     def _max_len(self) -> int:
         """Longest episode in tokens: prompt + turns x (generation + observation)."""
         prompts = [len(self.tokenizer.encode(p.prompt)) for p in self.eval_problems[:64]]
@@ -693,6 +725,8 @@ class Trainer:
                 "reward/formatted": float(np.mean([e.formatted for e in eps])),
                 "episode/length": float(np.mean([e.num_generated for e in eps])),
                 "episode/turns": float(np.mean([e.num_turns for e in eps])),
+                "batch/rows": float(batch.inputs.shape[0]),
+                "batch/padding": 1.0 - float(np.mean(batch.segment_ids > 0)),
                 "partial/ratio": float(np.mean([s[1] > s[0] for s in spans])),
                 "partial/version_span": float(np.mean([s[1] - s[0] for s in spans])),
                 "timing/train_step": met["timing/train_step"],

@@ -71,6 +71,18 @@ def test_resolved_config_round_trips(tmp_path):
         ("learner:\n  micro_batch_size: 7\n", [], ["learner.micro_batch_size", "7", "divide"]),
         # 14. loss name typo
         ("algorithm:\n  loss: ppo\n", [], ["algorithm.loss", "'ppo'", "'ppo_clip'"]),
+        # 15. packing with a sequence-level loss
+        (
+            "learner:\n  pack: true\nalgorithm:\n  loss: gspo\n",
+            [],
+            ["learner.pack", "'gspo'", "token-level", "pack: false"],
+        ),
+        # 16. packing with a per-sequence aggregation
+        (
+            "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",
+            [],
+            ["learner.pack", "'seq_mean_token_mean'", "'token_mean'"],
+        ),
     ],
 )
 def test_bad_configs_give_clear_errors(tmp_path, text, overrides, expected):

@@ -267,7 +267,8 @@ def test_smoke_sweep_on_ray(tmp_path, capsys):
         ["--config", SMOKE, "--out", str(out), "--ray", "--parallel", "2", "--ray-cpus", "1"]
     )
     printed = capsys.readouterr().out
-    assert code == 0, printed
+    logs = "".join(f"\n--- {p}\n" + p.read_text()[-3000:] for p in out.glob(f"*/{S.LOG}"))
+    assert code == 0, printed + logs
     assert "ran 2, skipped 0, failed 0" in printed
     rows = {r["run"]: r for r in _read_csv(out / "results.csv")}
     assert list(rows) == ["sync_seed-0", "async_seed-0"]

@@ -102,6 +102,21 @@ def _assert_losses_equal(a_rows, b_rows, steps):
         assert a[s]["reward/mean"] == b[s]["reward/mean"]
 
 
+def test_packed_run_matches_unpacked(root, sync_run):
+    """learner.pack: the first update (same rollouts) has the unpacked loss, in fewer rows."""
+    train(
+        _cfg(
+            root, "packed", "trainer.total_updates=1", "learner.pack=true", "learner.pack_length=64"
+        )
+    )
+    packed, plain = _by_step(_rows(root, "packed"))[1], _by_step(sync_run)[1]
+    assert packed["reward/mean"] == plain["reward/mean"]
+    for k in LOSS_KEYS + ("loss/entropy", "loss/logp_mean"):
+        assert abs(packed[k] - plain[k]) <= 1e-5, (k, packed[k], plain[k])
+    assert plain["batch/rows"] == 16 and packed["batch/rows"] < plain["batch/rows"]
+    assert packed["batch/padding"] < plain["batch/padding"]
+
+
 # ---------------------------------------------------------------------------------------------
 # (a) the run directory
 
