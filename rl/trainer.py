@@ -281,7 +281,7 @@ class Trainer:
 
     def make_ray_rollout(self):
         """Rollout worker actors (the `ray` transport) serving the learner's current weights."""
-        from rl.transport import RayOptions, RayRollout
+        from rl.ray_transport import RayOptions, RayRollout
 
         c, r = self.cfg, self.cfg.trainer.ray
         opts = RayOptions(
@@ -591,7 +591,7 @@ class Trainer:
         coord.publish(start_version)
         stats = {"generate_time": 0.0, "tokens": 0}
         if cfg.trainer.transport == "ray":  # one dispatcher thread per rollout worker actor
-            from rl.transport import ray_rollout_loop
+            from rl.ray_transport import ray_rollout_loop
 
             max_groups = max(1, cfg.rollout.batch_size // self.n)
             workers = [

@@ -16,8 +16,7 @@ ray = pytest.importorskip("ray")
 
 from rl import config as C  # noqa: E402
 from rl.checkpoint import load_groups  # noqa: E402
-from rl.trainer import Trainer  # noqa: E402
-from rl.transport import (  # noqa: E402
+from rl.ray_transport import (  # noqa: E402
     RayOptions,
     RayRollout,
     RolloutWorkerError,
@@ -25,6 +24,7 @@ from rl.transport import (  # noqa: E402
     pack_groups,
     unpack_groups,
 )
+from rl.trainer import Trainer  # noqa: E402
 from rl.types import Episode, EpisodeGroup  # noqa: E402
 
 B, N = 2, 4  # groups per update, samples per group

@@ -1,0 +1,708 @@
+"""The `ray` transport: rollout workers as Ray actors, episode batches in the object store.
+
+Each rollout worker is an actor in its own process holding a JaxEngine, the task and the
+tokenizer; it runs whole groups (multi-turn episodes, rewards) and `ray.put`s each finished
+batch as a few flat numpy arrays (pack_groups), so episodes cross processes (and hosts) through
+the shared-memory object store, never as pickled Python objects per token. The learner, the
+coordinator and the buffer stay in the driver process (the trainer), the same code as with
+`local`: one dispatcher thread per worker slot admits groups, sends them to its actor, and
+delivers the unpacked groups to the buffer. Weights go out once per version: one `ray.put` of
+the flat numpy params, shared by every worker.
+
+Health: a dispatcher waits for its batch in short slices and pings its actor (a threaded actor
+answers while it generates); an actor that dies (RayActorError) or leaves a ping unanswered for
+`health_deadline_s` is killed, its in-flight groups go back to the coordinator (requeue: the
+same group numbers, counted as re-dispatched) and a replacement starts with the newest weights,
+up to `max_restarts` replacements per run; past that the run fails with an error naming the
+worker, its pid and its log file.
+
+The `local` transport (CPU core split) is in rl/transport.py; this module is imported only
+when trainer.transport is 'ray' (ray itself is imported lazily, inside the functions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+
+from rl.transport import pin_threads
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker failed past the restart limit, or raised inside its rollout."""
+
+
+class WorkerLost(RuntimeError):
+    """A rollout worker died or stopped answering (its work is re-dispatched)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+    """Where the Ray rollout workers run and how their health is judged (trainer.ray)."""
+
+    address: str = ""  # "" = start a local cluster; "auto" or "host:port" = join one
+    num_workers: int = 1
+    cpus: float = 1.0  # per worker actor
+    gpus: float = 0.0  # per worker actor
+    health_deadline_s: float = 30.0
+    max_restarts: int = 2
+    cores: tuple[int, ...] = ()  # pin each worker to these cores of its node (trainer.pin_cores)
+    log_dir: str = ""  # each worker's stdout/stderr go to <log_dir>/<name>.log
+
+
+_GROUP_KEYS = ("group_id", "dispatch_version", "group_size")
+_TOKEN_KEYS = (("tokens", np.int32), ("loss_mask", np.int8))
+_TOKEN_KEYS += (("behavior_logp", np.float32), ("versions", np.int32))
+
+
+def pack_groups(groups) -> dict:
+    """Episode groups as flat numpy arrays: per-token arrays concatenated, per-episode columns.
+
+    Strings (problem ids, finish reasons, completion texts) are per episode, never per token.
+    """
+    eps = [e for g in groups for e in g.episodes]
+    out = {
+        "group_id": np.array([g.group_id for g in groups], np.int64),  # [G]
+        "dispatch_version": np.array([g.dispatch_version for g in groups], np.int64),  # [G]
+        "group_size": np.array([len(g.episodes) for g in groups], np.int64),  # [G]
+        "group_problem_id": [g.problem_id for g in groups],
+        "length": np.array([len(e.tokens) for e in eps], np.int64),  # [E]
+        "prompt_len": np.array([e.prompt_len for e in eps], np.int64),
+        "reward": np.array([e.reward for e in eps], np.float64),
+        "correct": np.array([e.correct for e in eps], bool),
+        "formatted": np.array([e.formatted for e in eps], bool),
+        "num_turns": np.array([e.num_turns for e in eps], np.int64),
+        "problem_id": [e.problem_id for e in eps],
+        "finish_reason": [e.finish_reason for e in eps],
+        "completion_text": [e.completion_text for e in eps],
+    }
+    for name, dtype in _TOKEN_KEYS:  # [sum of lengths]
+        parts = [getattr(e, name) for e in eps]
+        out[name] = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+    return out
+
+
+def unpack_groups(batch: dict) -> list:
+    """The EpisodeGroups of a pack_groups batch (arrays copied out of the object store)."""
+    from rl.types import Episode, EpisodeGroup
+
+    ends = np.cumsum(batch["length"])
+    starts = ends - batch["length"]
+    eps = []
+    for i in range(len(batch["length"])):
+        sl = slice(int(starts[i]), int(ends[i]))
+        eps.append(
+            Episode(
+                problem_id=batch["problem_id"][i],
+                **{name: batch[name][sl] for name, _ in _TOKEN_KEYS},
+                prompt_len=int(batch["prompt_len"][i]),
+                reward=float(batch["reward"][i]),
+                correct=bool(batch["correct"][i]),
+                formatted=bool(batch["formatted"][i]),
+                finish_reason=batch["finish_reason"][i],
+                num_turns=int(batch["num_turns"][i]),
+                completion_text=batch["completion_text"][i],
+            )
+        )
+    groups, k = [], 0
+    for j in range(len(batch["group_id"])):
+        n = int(batch["group_size"][j])
+        groups.append(
+            EpisodeGroup(
+                int(batch["group_id"][j]),
+                batch["group_problem_id"][j],
+                tuple(eps[k : k + n]),
+                int(batch["dispatch_version"][j]),
+            )
+        )
+        k += n
+    return groups
+
+
+def batch_nbytes(batch: dict) -> int:
+    """Bytes of a packed batch's numpy arrays."""
+    return sum(v.nbytes for v in batch.values() if isinstance(v, np.ndarray))
+
+
+class RolloutActor:
+    """A rollout worker process: a JaxEngine plus the task and tokenizer; runs whole groups.
+
+    Wrapped with ray.remote by RayRollout (threaded: pings, aborts and weight updates are
+    answered while a rollout generates).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model_config,
+        weights: dict,
+        version: int,
+        task: dict,
+        tokenizer_files: dict[str, bytes],
+        engine_kwargs: dict,
+        cores: tuple[int, ...] = (),
+        log_path: str = "",
+    ):
+        self.name, self.log_path = name, log_path
+        if log_path:  # everything the process prints (JAX warnings, tracebacks) goes here
+            os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        if cores:  # before JAX initialises its backend (XLA sizes its pool from the mask)
+            pin_threads(cores)
+        import tempfile
+
+        import jax
+        from flax import nnx
+
+        from models.tokenizer import load_tokenizer
+        from models.transformer import Transformer
+        from rl.rollout.jax_engine import JaxEngine
+        from rl.rollout.process_engine import _Busy, _fill
+        from rl.tasks import get_task
+
+        abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+        self.graphdef, self.template = nnx.split(abstract, nnx.Param)
+        device = jax.devices()[0]
+        params = jax.tree.map(lambda x: jax.device_put(x, device), _fill(self.template, weights))
+        self.engine = JaxEngine(nnx.merge(self.graphdef, params), version=version, **engine_kwargs)
+        self._fill = _fill
+        self.task = get_task(task["name"], seed=task["seed"], **task["options"])
+        tok_dir = tempfile.mkdtemp(prefix=f"tandem-{name}-tok-")
+        for fname, data in tokenizer_files.items():
+            with open(os.path.join(tok_dir, fname), "wb") as f:
+                f.write(data)
+        self.tokenizer = load_tokenizer(tok_dir)
+        self.busy = _Busy()
+        self.install = {"install_s": 0.0, "updates": 0}
+        print(f"{name}: pid {os.getpid()}, cores {sorted(os.sched_getaffinity(0))}", flush=True)
+
+    def info(self) -> dict:
+        """pid, node, cores and log path of this worker."""
+        import ray
+
+        return {
+            "pid": os.getpid(),
+            "session": os.getsid(0),
+            "node": ray.util.get_node_ip_address(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "log": self.log_path,
+        }
+
+    def ping(self) -> int:
+        """Health check: answers at once, even while a rollout generates."""
+        return os.getpid()
+
+    def rollout(self, items: list, sampling) -> list:
+        """Runs groups [(group id, published version, problem, seeds)]; returns [ObjectRef].
+
+        The one ObjectRef holds the finished groups as pack_groups arrays, put into the object
+        store by this process.
+        """
+        import ray
+
+        from rl.agent import run_episodes
+        from rl.types import EpisodeGroup
+
+        problems, seeds = [], []
+        for _, _, p, s in items:
+            problems += [p] * len(s)
+            seeds += list(s)
+        self.busy.enter()
+        tokens = 0
+        try:
+            eps = run_episodes(
+                self.engine, self.task, self.tokenizer, problems, sampling, seeds=seeds
+            )
+            tokens = sum(e.num_generated for e in eps)
+        finally:
+            self.busy.exit(tokens)
+        groups, k = [], 0
+        for g, v, p, s in items:
+            groups.append(EpisodeGroup(g, p.id, tuple(eps[k : k + len(s)]), v))
+            k += len(s)
+        return [ray.put(pack_groups(groups))]
+
+    def generate(self, requests: list) -> list:
+        """Engine.generate on this worker (evaluation, warm-up)."""
+        self.busy.enter()
+        gens = []
+        try:
+            gens = self.engine.generate(requests)
+        finally:
+            self.busy.exit(sum(len(g.token_ids) for g in gens))
+        return gens
+
+    def update_weights(self, version: int, weights: dict, interrupt: bool) -> float:
+        """Installs flat numpy weights as `version`; returns seconds (waits as the engine does)."""
+        t0 = time.perf_counter()
+        self.engine.update_weights(
+            version, params=self._fill(self.template, weights), interrupt=interrupt
+        )
+        self.install["install_s"] += time.perf_counter() - t0
+        self.install["updates"] += 1
+        return time.perf_counter() - t0
+
+    def abort(self) -> None:
+        """In-flight and later generations return 'abort' partials until resume()."""
+        self.engine.abort()
+
+    def resume(self) -> None:
+        """Undoes abort()."""
+        self.engine.resume()
+
+    def stats(self) -> dict:
+        """Generation busy time, tokens, weight installs, programs traced, pid."""
+        return {
+            **self.busy.snapshot(),
+            **self.install,
+            "traces": self.engine.traces,
+            "pid": os.getpid(),
+        }
+
+
+@dataclasses.dataclass
+class _Worker:
+    name: str
+    handle: object
+    pid: int = -1
+    node: str = ""
+    log: str = ""
+
+
+class RayRollout:
+    """Rollout worker actors behind the Engine protocol (plus group-level `run` for the trainer).
+
+    Starts a local Ray cluster unless `options.address` names one (and shuts down only a
+    cluster it started). `version` is the newest version sent to the workers.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        version: int,
+        task: dict,
+        tokenizer_dir: str,
+        options: RayOptions,
+        engine_kwargs: dict | None = None,
+        call_deadline_s: float = 600.0,
+    ):
+        import ray
+
+        from rl.rollout.process_engine import flat_params
+
+        self.options = options
+        self.version = version
+        self.call_deadline_s = call_deadline_s
+        self.config = model.config
+        self.task = dict(task)
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.tokenizer_files = {}
+        for fname in sorted(os.listdir(tokenizer_dir)):
+            path = os.path.join(tokenizer_dir, fname)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    self.tokenizer_files[fname] = f.read()
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            address = options.address or os.environ.get("RAY_ADDRESS", "")
+            if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
+                ray.init(address=address, log_to_driver=False)
+            else:
+                need = options.num_workers * options.cpus
+                ray.init(
+                    num_cpus=max(os.cpu_count() or 1, int(np.ceil(need))),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+        self._actor_cls = ray.remote(RolloutActor).options(
+            num_cpus=options.cpus,
+            num_gpus=options.gpus,
+            max_concurrency=16,  # pings are answered while rollouts, evals and updates wait
+            max_restarts=0,
+        )
+        self._lock = threading.Lock()
+        self.weights_ref = ray.put(flat_params(model))
+        self.restarts = 0
+        self.lost: list[str] = []  # why each lost worker was lost
+        self.batches = 0  # episode batches received through the object store
+        self.batch_bytes = 0
+        self.sync_times: list[dict] = []
+        self.workers: list[_Worker] = []
+        self.inflight: dict[int, list[int]] = {}  # slot -> group ids its worker is running
+        self._updates: queue.Queue = queue.Queue()  # weight versions for the update thread
+        self._updater: threading.Thread | None = None
+        self._closed = False
+        try:
+            for i in range(options.num_workers):
+                self.workers.append(self._start(i, 0))
+            for i in range(options.num_workers):
+                self._wait_ready(i)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- workers --------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        """Worker slots (each slot has one live actor, replaced when it is lost)."""
+        return len(self.workers)
+
+    @property
+    def pid(self) -> int:
+        """Process id of worker 0 (the benchmark reads its CPU time)."""
+        return self.workers[0].pid
+
+    def pids(self) -> list[int]:
+        """Process ids of the current workers."""
+        return [w.pid for w in self.workers]
+
+    def _start(self, slot: int, generation: int) -> _Worker:
+        """A new actor for `slot` on the newest weights (not yet ready)."""
+        name = f"rollout-{slot}" + (f".r{generation}" if generation else "")
+        o = self.options
+        log = os.path.join(o.log_dir, f"{name}.log") if o.log_dir else ""
+        with self._lock:  # the newest weights: an update after this also reaches the worker
+            handle = self._actor_cls.remote(
+                name,
+                self.config,
+                self.weights_ref,
+                self.version,
+                self.task,
+                self.tokenizer_files,
+                self.engine_kwargs,
+                tuple(o.cores),
+                log,
+            )
+        return _Worker(name, handle, log=log)
+
+    def _wait_ready(self, slot: int) -> None:
+        import ray
+
+        w = self.workers[slot]
+        try:
+            info = ray.get(w.handle.info.remote(), timeout=self.call_deadline_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerLost(f"{self.describe(slot)} did not start within the deadline") from e
+        except ray.exceptions.RayError as e:
+            raise WorkerLost(f"{self.describe(slot)} failed to start: {e}") from e
+        w.pid, w.node, w.log = info["pid"], info["node"], info["log"] or w.log
+
+    def describe(self, slot: int) -> str:
+        """The worker of `slot` by name, pid, node and log file."""
+        w = self.workers[slot]
+        log = w.log or "the Ray worker logs (/tmp/ray/session_latest/logs on its node)"
+        return f"rollout worker {w.name!r} (pid {w.pid}, node {w.node or '?'}; log: {log})"
+
+    def replace(self, slot: int, why: str, on_started=None) -> None:
+        """Kills the worker of `slot` and starts a replacement; raises past max_restarts.
+
+        on_started() runs once the replacement is counted and launched, before it is ready
+        (the caller re-dispatches the lost work there, so the counters lead the re-dispatch).
+        """
+        what = f"{self.describe(slot)}: {why}"
+        self.lost.append(what)
+        self._kill(self.workers[slot].handle)
+        while True:
+            if self.restarts >= self.options.max_restarts:
+                raise RolloutWorkerError(
+                    f"{what}; {self.restarts} of trainer.ray.max_restarts="
+                    f"{self.options.max_restarts} replacements used, the run stops"
+                )
+            self.restarts += 1
+            self.workers[slot] = self._start(slot, self.restarts)
+            if on_started is not None:
+                on_started()
+                on_started = None
+            try:
+                self._wait_ready(slot)
+                return
+            except WorkerLost as e:
+                what = str(e)
+                self.lost.append(what)
+
+    # -- group rollouts (the trainer's dispatchers) -----------------------------------------
+    def submit(self, slot: int, items: list, sampling):
+        """Starts groups on the worker of `slot`; returns the ObjectRef of its reply."""
+        return self.workers[slot].handle.rollout.remote(items, sampling)
+
+    def run(self, slot: int, items: list, sampling, stopped=lambda: False):
+        """Runs groups on the worker of `slot`: [EpisodeGroup], or None once stopped() is true.
+
+        Raises WorkerLost if the worker dies or leaves a health check unanswered for
+        health_deadline_s (or the whole call passes call_deadline_s).
+        """
+        self.inflight[slot] = [item[0] for item in items]
+        try:
+            return self._run(slot, items, sampling, stopped)
+        finally:
+            self.inflight[slot] = []
+
+    def _run(self, slot: int, items: list, sampling, stopped):
+        import ray
+
+        ref = self.submit(slot, items, sampling)
+        try:
+            outer = self._await(self.workers[slot].handle, ref, stopped)
+            if outer is None:
+                return None
+            batch = ray.get(outer[0])
+        except ray.exceptions.ObjectLostError as e:  # its owner (the worker) died
+            raise WorkerLost(f"died ({type(e).__name__})") from e
+        except ray.exceptions.RayTaskError as e:  # a bug in the rollout: fail the run
+            raise RolloutWorkerError(f"{self.describe(slot)} raised:\n{e}") from e
+        with self._lock:
+            self.batches += 1
+            self.batch_bytes += batch_nbytes(batch)
+        return unpack_groups(batch)
+
+    def _await(self, handle, ref, stopped=lambda: False):
+        """ray.get(ref) of a call on `handle`, pinging the worker meanwhile; None once stopped().
+
+        Raises WorkerLost if the worker dies, leaves a ping unanswered for health_deadline_s,
+        or the call passes call_deadline_s.
+        """
+        import ray
+
+        deadline = self.options.health_deadline_s
+        t0 = last_answer = time.perf_counter()
+        ping, ping_t = None, 0.0
+        while True:
+            ready, _ = ray.wait([ref], timeout=min(0.2, deadline / 4))
+            if ready:
+                try:
+                    return ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerLost(f"died ({type(e).__name__})") from e
+            if stopped():
+                return None
+            now = time.perf_counter()
+            if ping is not None:
+                answered, _ = ray.wait([ping], timeout=0)
+                if answered:
+                    try:
+                        ray.get(ping)
+                    except ray.exceptions.RayActorError as e:
+                        raise WorkerLost(f"died ({type(e).__name__})") from e
+                    ping, last_answer = None, now
+                elif now - ping_t > deadline:
+                    raise WorkerLost(f"did not answer a health check within {deadline:g}s")
+            if ping is None and now - last_answer > deadline / 4:
+                ping, ping_t = handle.ping.remote(), now
+            if now - t0 > self.call_deadline_s:
+                raise WorkerLost(f"no result within trainer.deadline_s={self.call_deadline_s:g}s")
+
+    def _kill(self, handle) -> None:
+        import ray
+
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+
+    # -- Engine protocol ------------------------------------------------------------------
+    def generate(self, requests: list) -> list:
+        """Completes requests, split in contiguous chunks over the workers."""
+        import ray
+
+        if not requests:
+            return []
+        n = min(len(self.workers), len(requests))
+        bounds = np.linspace(0, len(requests), n + 1).astype(int)
+        chunks = [requests[bounds[i] : bounds[i + 1]] for i in range(n)]
+        calls = [(i, self.workers[i].handle) for i in range(n)]
+        refs = [h.generate.remote(chunks[i]) for i, h in calls]
+        out = []
+        for i, r in enumerate(refs):
+            slot, handle = calls[i]
+            for attempt in range(len(self.workers) + 1):  # a lost worker's chunk goes elsewhere
+                try:
+                    out += self._await(handle, r)
+                    break
+                except WorkerLost as e:
+                    self._kill(handle)  # its dispatcher replaces it
+                    if attempt == len(self.workers):
+                        raise RolloutWorkerError(f"{self.describe(slot)}: {e} in generate") from e
+                    slot = (slot + 1) % len(self.workers)
+                    handle = self.workers[slot].handle
+                    r = handle.generate.remote(chunks[i])
+                except ray.exceptions.RayTaskError as e:
+                    raise RolloutWorkerError(f"{self.describe(slot)} failed generate: {e}") from e
+        return out
+
+    def update_weights(
+        self,
+        version: int,
+        path: str | None = None,
+        params=None,
+        *,
+        interrupt: bool = False,
+        on_served=None,
+        on_error=None,
+    ) -> None:
+        """Puts the weights into the object store once; every worker installs them, in order.
+
+        Without on_served, returns when every live worker serves `version`. With on_served,
+        returns once the weights are in the object store and calls on_served(version) when every
+        worker serves them (on_error(exception) if that fails), as ProcessEngine does. A worker
+        lost meanwhile is replaced by its dispatcher, on the newest weights.
+        """
+        import ray
+
+        from rl.rollout.process_engine import flat_params
+
+        if params is None:
+            raise ValueError("RayRollout.update_weights needs params (HF paths: not supported)")
+        t0 = time.perf_counter()
+        flat = flat_params(params)
+        t1 = time.perf_counter()
+        ref = ray.put(flat)
+        with self._lock:  # a replacement started from now on gets these weights
+            self.weights_ref, self.version = ref, version
+        done = threading.Event()
+        result: dict = {}
+
+        def served(v):
+            done.set()
+            if on_served is not None:
+                on_served(v)
+
+        def failed(e):
+            result["error"] = e
+            done.set()
+            if on_error is not None:
+                on_error(e)
+
+        if self._updater is None:
+            self._updater = threading.Thread(target=self._update_loop, daemon=True)
+            self._updater.start()
+        self._updates.put((version, ref, interrupt, (t0, t1, time.perf_counter()), served, failed))
+        if on_served is None:
+            done.wait()
+            if "error" in result:
+                raise result["error"]
+
+    def _update_loop(self) -> None:
+        """Installs queued weight versions on every worker, one version at a time, in order."""
+        while True:
+            item = self._updates.get()
+            if item is None:
+                return
+            version, ref, interrupt, (t0, t1, t2), served, failed = item
+            try:
+                with self._lock:
+                    handles = [w.handle for w in self.workers]
+                refs = [h.update_weights.remote(version, ref, interrupt) for h in handles]
+                install = 0.0
+                for h, r in zip(handles, refs):
+                    try:
+                        install = max(install, self._await(h, r))
+                    except WorkerLost:  # its dispatcher replaces it, on the newest weights
+                        self._kill(h)
+                self.sync_times.append(
+                    {
+                        "flatten_s": t1 - t0,
+                        "send_s": t2 - t1,
+                        "install_s": install,
+                        "total_s": time.perf_counter() - t0,
+                    }
+                )
+            except BaseException as e:  # noqa: BLE001 - the learner hears of it
+                failed(RolloutWorkerError(f"weight update to version {version} failed: {e!r}"))
+                continue
+            served(version)
+
+    def _all(self, method: str, timeout: float) -> list:
+        import ray
+
+        refs = [getattr(w.handle, method).remote() for w in self.workers]
+        out = []
+        for r in refs:
+            try:
+                out.append(ray.get(r, timeout=timeout))
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
+
+    def abort(self) -> None:
+        """Makes in-flight and later generations on every worker return 'abort' partials."""
+        if not self._closed:
+            self._all("abort", timeout=10)
+
+    def resume(self) -> None:
+        """Undoes abort()."""
+        self._all("resume", timeout=self.call_deadline_s)
+
+    def refresh_stats(self) -> dict:
+        """Counters summed over the live workers (busy_s, tokens, traces, install_s)."""
+        out: dict = {"busy_s": 0.0, "tokens": 0, "traces": 0, "install_s": 0.0, "updates": 0}
+        for s in self._all("stats", timeout=self.call_deadline_s):
+            for k in out:
+                out[k] += (s or {}).get(k, 0)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """Transport counters for the metrics row."""
+        return {
+            "rollout/workers": float(len(self.workers)),
+            "rollout/restarts": float(self.restarts),
+            "rollout/workers_lost": float(len(self.lost)),
+            "transport/batches": float(self.batches),
+            "transport/batch_mbytes": self.batch_bytes / 1e6,
+        }
+
+    def close(self) -> None:
+        """Kills the workers; shuts Ray down if this object started it. Idempotent."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        self._updates.put(None)
+        for w in self.workers:
+            self._kill(w.handle)
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+_STATS_LOCK = threading.Lock()  # dispatcher threads add to one stats dict
+
+
+def ray_rollout_loop(pool, slot, coord, buffer, work, sampling, stats, max_groups, deadline):
+    """A dispatcher thread of worker `slot`: admit groups, run them on the actor, deliver.
+
+    `work(admitted)` turns [(group, version)] into [(group, version, problem, seeds)]. Work of a
+    lost worker goes back to the coordinator (same group numbers, counted as re-dispatched) and
+    the slot gets a replacement; any other failure reaches the learner through buffer.fail.
+    """
+    try:
+        while True:
+            admitted = coord.admit(max_groups, timeout=deadline)
+            if not admitted:
+                return
+            t0 = time.perf_counter()
+            try:
+                groups = pool.run(slot, work(admitted), sampling, stopped=lambda: coord.stopped)
+            except WorkerLost as e:
+                if coord.stopped:
+                    return
+                lost = [g for g, _ in admitted]
+                pool.replace(slot, str(e), on_started=lambda lost=lost: coord.requeue(lost))
+                continue
+            if groups is None or coord.stopped:
+                return
+            with _STATS_LOCK:
+                stats["generate_time"] += time.perf_counter() - t0
+                stats["tokens"] += sum(e.num_generated for g in groups for e in g.episodes)
+            for g in groups:
+                buffer.put(g)
+    except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
+        buffer.fail(e)
