@@ -47,6 +47,9 @@ class ModelSection:
     remat: Literal["none", "full", "dots_saveable"] = F(
         "none", "rematerialisation policy per layer"
     )
+    overrides: dict[str, Any] = F(
+        {}, "shape fields replacing the preset's (e.g. {hidden_size: 256, num_hidden_layers: 4})"
+    )
 
 
 @dataclasses.dataclass
@@ -376,6 +379,7 @@ def _check_ranges(cfg: RunConfig) -> None:
             f"{eta} (trainer.mode {cfg.trainer.mode!r}): weights published every k updates are "
             f"up to k-1 versions stale, so sync_every must be <= {eta + 1}"
         )
+    _check_model_overrides(cfg)
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
     if cfg.trainer.pin_cores and cfg.rollout.engine != "jax":
@@ -425,6 +429,48 @@ def _check_ranges(cfg: RunConfig) -> None:
             f"learner.minibatches: invalid value {cfg.learner.minibatches}; must divide "
             f"prompts_per_update * group_size = {n_seq}"
         )
+
+
+MODEL_OVERRIDES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
+
+
+def _check_model_overrides(cfg: RunConfig) -> None:
+    """model.overrides: known shape fields, with init=preset only (a checkpoint fixes shapes)."""
+    over = cfg.model.overrides
+    if over and cfg.model.init != "preset":
+        raise ConfigError(
+            f"model.overrides: {over!r} needs model.init 'preset' (an HF checkpoint's shapes "
+            "are fixed); remove the overrides"
+        )
+    for key, value in over.items():
+        if key not in MODEL_OVERRIDES:
+            hint = difflib.get_close_matches(str(key), MODEL_OVERRIDES, n=1)
+            raise ConfigError(
+                f"model.overrides.{key}: unknown field; valid: {', '.join(MODEL_OVERRIDES)}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            )
+        if key == "tie_word_embeddings":
+            ok, want = isinstance(value, bool), "a bool"
+        elif key in ("rope_theta", "rms_norm_eps"):
+            ok, want = _is_number(value) and value > 0, "a positive number"
+        else:
+            ok, want = _is_number(value) and isinstance(value, int) and value > 0, "a positive int"
+        if not ok:
+            raise ConfigError(f"model.overrides.{key}: invalid value {value!r}; expected {want}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_device_split(cfg: RunConfig) -> None:

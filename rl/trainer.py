@@ -58,7 +58,12 @@ def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
     """The ModelConfig of a preset, with the run's dtypes and attention settings."""
     from models import config as mc
 
-    base = getattr(mc, cfg.model.preset)()
+    try:
+        base = getattr(mc, cfg.model.preset)(**cfg.model.overrides)
+    except ValueError as e:  # e.g. heads that do not divide hidden_size
+        raise C.ConfigError(
+            f"model.overrides: {cfg.model.overrides!r} give an invalid model: {e}"
+        ) from None
     if base.vocab_size < vocab_size:
         base = dataclasses.replace(base, vocab_size=bucket(vocab_size, 64))
     return dataclasses.replace(

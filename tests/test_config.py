@@ -77,6 +77,14 @@ def test_resolved_config_round_trips(tmp_path):
             [],
             ["learner.pack", "'gspo'", "token-level", "pack: false"],
         ),
+        # 17. unknown model shape field
+        ("model:\n  overrides: {layers: 4}\n", [], ["model.overrides.layers", "num_hidden_layers"]),
+        # 18. bad model shape value
+        (
+            "",
+            ["model.overrides={hidden_size: -8}"],
+            ["model.overrides.hidden_size", "-8", "positive"],
+        ),
         # 16. packing with a per-sequence aggregation
         (
             "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",
@@ -111,3 +119,16 @@ def test_every_shipped_config_validates():
         with open(f) as fh:
             assert isinstance(yaml.safe_load(fh), dict), f
         C.load(f)
+
+
+def test_model_overrides_reach_the_model():
+    from rl.trainer import model_config
+
+    cfg = C.load(
+        None, ["model.overrides={hidden_size: 256, num_attention_heads: 8, num_hidden_layers: 3}"]
+    )
+    m = model_config(cfg, vocab_size=100)
+    assert (m.hidden_size, m.num_hidden_layers, m.intermediate_size) == (256, 3, 512)
+    bad = C.load(None, ["model.overrides={num_attention_heads: 3}"])  # kv heads 2 do not divide 3
+    with pytest.raises(C.ConfigError, match="model.overrides"):
+        model_config(bad, vocab_size=100)
