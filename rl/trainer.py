@@ -179,9 +179,12 @@ class Trainer:
         self.B = cfg.rollout.prompts_per_update
         self.n = cfg.rollout.group_size
         self.core_split = None
-        if cfg.trainer.pin_cores:  # before jax.devices(): XLA sizes its pool from the mask
+        if cfg.trainer.pin_cores:
             self.core_split = split_of(cfg.trainer)
-            pin_learner(self.core_split.learner)
+            if cfg.sft.steps == 0:  # before jax.devices(): XLA sizes its pool from the mask
+                pin_learner(self.core_split.learner)
+            # else the warm start (no rollout process yet) uses every core, and run() pins the
+            # learner after it; XLA's pool keeps its size, its threads share the learner's cores
         self.device_split = device_split(cfg)  # the rollout's devices and the learner's
         m = cfg.learner.mesh
         n_dev = m.data * m.fsdp * m.tensor
@@ -555,6 +558,8 @@ class Trainer:
                 GroupBuffer(Coordinator(self.B, 0)),
                 {"sft_done": True},
             )
+        if self.core_split is not None and cfg.sft.steps > 0:
+            pin_learner(self.core_split.learner)
         start_version = self.learner.version
         engine = self.make_engine()
         eval_engine = engine if cfg.rollout.engine == "jax" else self.make_jax_engine()
