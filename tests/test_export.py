@@ -12,9 +12,10 @@ import safetensors.numpy
 import yaml
 
 from launch import export as E
+from models import sharding as msh
 from rl import config as C
 from rl.checkpoint import restore_params
-from rl.trainer import Trainer, train
+from rl.trainer import Trainer, model_config, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "configs", "default.yaml")
@@ -86,12 +87,17 @@ def test_export_matches_learner_logits(run_dir, hf_dir):
         assert trainer.learner.version == 2
         tokens = _tokens(trainer.tokenizer.vocab_size)
         ours = np.asarray(jax.device_get(trainer.learner.model(tokens)), np.float32)
+        init = msh.create_model(
+            model_config(cfg, trainer.tokenizer.vocab_size), trainer.mesh, seed=cfg.seed
+        )
+        untrained = np.asarray(jax.device_get(init(tokens)), np.float32)
     finally:
         trainer.writer.close()
         trainer.ckpt.close()
     theirs = _torch_logits(hf_dir, tokens)
     assert ours.shape == theirs.shape == (2, 16, cfg_json["vocab_size"])
-    assert np.abs(ours).max() > 1.0  # trained weights, not an all-zero head
+    # the trained weights (not the initial ones, not an all-zero head) are what was exported
+    assert np.abs(ours).max() > 0.1 and np.abs(ours - untrained).max() > 0.1
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
