@@ -5,24 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_weights import randomize
 
 from models import create_model, init_cache, tiny
 from models.transformer import KVCache
-
-
-def randomize(model, seed=0):
-    """Random weights of a useful scale (norm weights near 1) so logit errors are visible."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten_with_path(state)
-    rng = np.random.RandomState(seed)
-    new = []
-    for path, x in leaves:
-        noise = rng.standard_normal(x.shape).astype(np.float32)
-        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
-        new.append(jax.device_put(jnp.asarray(value, x.dtype), x.sharding))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
-    return model
-
 
 CONFIGS = {
     "qwen2_untied": tiny(),

@@ -5,21 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_weights import randomize
 
 from models import Transformer, create_model, init_cache, tiny
-
-
-def _randomize(model, seed=0):
-    """Random weights of a useful scale (norm weights near 1), in each parameter's dtype."""
-    leaves, treedef = jax.tree.flatten_with_path(nnx.state(model, nnx.Param))
-    rng = np.random.RandomState(seed)
-    new = []
-    for path, x in leaves:
-        noise = rng.standard_normal(x.shape).astype(np.float32)
-        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
-        new.append(jnp.asarray(value, x.dtype))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
-    return model
 
 
 def _loss_and_grads(model, tokens, weights):
@@ -33,11 +21,11 @@ def test_remat_policies_give_identical_values_and_gradients():
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, 128, (2, 10)))
     weights = jnp.asarray(rng.standard_normal((2, 10, 128)).astype(np.float32))
-    ref_loss, ref_grads = _loss_and_grads(_randomize(create_model(tiny(), seed=0)), tokens, weights)
+    ref_loss, ref_grads = _loss_and_grads(randomize(create_model(tiny(), seed=0)), tokens, weights)
     ref_leaves = jax.tree.leaves(ref_grads)
     assert max(float(jnp.abs(g).max()) for g in ref_leaves) > 1e-2
     for policy in ("full", "dots_saveable"):
-        model = _randomize(create_model(tiny(remat=policy), seed=0))
+        model = randomize(create_model(tiny(remat=policy), seed=0))
         jaxpr = str(jax.make_jaxpr(lambda m: nnx.grad(lambda m: m(tokens).sum())(m))(model))
         assert "remat" in jaxpr or "checkpoint" in jaxpr  # the policy is really applied
         loss, grads = _loss_and_grads(model, tokens, weights)
@@ -49,7 +37,7 @@ def test_remat_policies_give_identical_values_and_gradients():
 
 def test_bfloat16_params_and_compute():
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, 128, (2, 8)))
-    f32 = _randomize(create_model(tiny(), seed=0))
+    f32 = randomize(create_model(tiny(), seed=0))
     bf16 = create_model(tiny(dtype="bfloat16", param_dtype="bfloat16"), seed=0)
     params = nnx.state(bf16, nnx.Param)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}

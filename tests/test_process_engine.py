@@ -9,11 +9,11 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
+from model_weights import randomize
 
 from models import create_model, tiny
 from rl.rollout.base import GenerationRequest, SamplingParams
@@ -22,20 +22,6 @@ from rl.rollout.process_engine import ProcessEngine, RolloutProcessError
 from rl.transport import core_split
 
 CONFIG = tiny()
-
-
-def randomize(model, seed):
-    """Random weights of a useful scale (norm weights near 1): peaked, well-separated logits."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten_with_path(state)
-    rng = np.random.RandomState(seed)
-    new = []
-    for path, x in leaves:
-        noise = rng.standard_normal(x.shape).astype(np.float32)
-        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
-        new.append(jnp.asarray(value, x.dtype))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
-    return model
 
 
 def _reqs(n, max_new, temperature=1.0, prefix="r"):

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from model_weights import randomize
 
 from models import create_model, make_mesh, tiny
 from models.sharding import shard_model
@@ -24,20 +25,6 @@ from rl.types import Episode
 
 CONFIG = tiny()
 V = CONFIG.vocab_size
-
-
-def randomize(model, seed):
-    """Random weights of a useful scale (norm weights near 1): peaked, well-separated logits."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten_with_path(state)
-    rng = np.random.RandomState(seed)
-    new = []
-    for path, x in leaves:
-        noise = rng.standard_normal(x.shape).astype(np.float32)
-        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
-        new.append(jnp.asarray(value, x.dtype))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
-    return model
 
 
 @pytest.fixture(scope="module")
