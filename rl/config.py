@@ -191,6 +191,11 @@ class TrainerSection:
     pin_cores: bool = F(
         False, "CPU: run rollout and learner in processes pinned to their own cores"
     )
+    rollout_process: bool = F(
+        False,
+        "CPU: run the JAX rollout engine in its own process, unpinned, sharing every core "
+        "with the learner (pin_cores: true pins it instead)",
+    )
     rollout_cores: list[int] = F([0], "pin_cores: CPU cores of the rollout process")
     learner_cores: list[int] = F(
         [], "pin_cores: CPU cores of the learner process; empty = every core not for rollout"
@@ -382,10 +387,16 @@ def _check_ranges(cfg: RunConfig) -> None:
     _check_model_overrides(cfg)
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
-    if cfg.trainer.pin_cores and cfg.rollout.engine != "jax":
+    for key in ("pin_cores", "rollout_process"):
+        if getattr(cfg.trainer, key) and cfg.rollout.engine != "jax":
+            raise ConfigError(
+                f"trainer.{key}: true needs rollout.engine 'jax' (the rollout process runs the "
+                f"JAX sampler), got {cfg.rollout.engine!r}"
+            )
+    if cfg.trainer.rollout_process and cfg.trainer.transport != "local":
         raise ConfigError(
-            f"trainer.pin_cores: true needs rollout.engine 'jax' (the pinned rollout process "
-            f"runs the JAX sampler), got {cfg.rollout.engine!r}"
+            f"trainer.rollout_process: true needs trainer.transport 'local' (got "
+            f"{cfg.trainer.transport!r}, whose rollout workers are processes already)"
         )
     _check_device_split(cfg)
     if cfg.trainer.transport == "ray":
@@ -502,6 +513,8 @@ def _check_device_split(cfg: RunConfig) -> None:
         why.append(f"rollout.engine 'jax' (got {cfg.rollout.engine!r})")
     if t.pin_cores:
         why.append("trainer.pin_cores false (pin_cores splits CPU cores between two processes)")
+    if t.rollout_process:
+        why.append("trainer.rollout_process false (a rollout process of its own)")
     if why:
         raise ConfigError(
             f"trainer.rollout_devices: {t.rollout_devices} (an in-process rollout engine on its "

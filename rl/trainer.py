@@ -267,15 +267,16 @@ class Trainer:
             return self.make_vllm_engine()
         if self.cfg.trainer.transport == "ray":
             return self.make_ray_rollout()
-        if self.core_split is not None:
+        if self.core_split is not None or self.cfg.trainer.rollout_process:
             if jax.default_backend() != "cpu":
+                key = "pin_cores" if self.core_split is not None else "rollout_process"
                 raise C.ConfigError(
-                    f"trainer.pin_cores: true needs the CPU backend, got {jax.default_backend()!r}"
+                    f"trainer.{key}: true needs the CPU backend, got {jax.default_backend()!r}"
                 )
             return ProcessEngine(
                 self.learner.model,
                 version=self.learner.version,
-                cores=self.core_split.rollout,
+                cores=self.core_split.rollout if self.core_split is not None else (),
                 max_batch=self.cfg.rollout.batch_size,
                 deadline_s=self.cfg.trainer.deadline_s,
             )

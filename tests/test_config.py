@@ -85,6 +85,17 @@ def test_resolved_config_round_trips(tmp_path):
             ["model.overrides={hidden_size: -8}"],
             ["model.overrides.hidden_size", "-8", "positive"],
         ),
+        # 19. a rollout process of its own runs the JAX sampler, on the local transport
+        (
+            "trainer:\n  rollout_process: true\nrollout:\n  engine: vllm\n",
+            [],
+            ["trainer.rollout_process", "'vllm'", "rollout.engine 'jax'"],
+        ),
+        (
+            "",
+            ["trainer.rollout_process=true", "trainer.transport=ray"],
+            ["trainer.rollout_process", "'ray'", "trainer.transport 'local'"],
+        ),
         # 16. packing with a per-sequence aggregation
         (
             "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",

@@ -217,12 +217,23 @@ RUN = [
 ]
 
 
-def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
-    """Sync with the rollout in a pinned process equals the in-process run (losses, rewards,
-    eval). The test process is unpinned afterwards. (Async with pin_cores: test_bench_async.)"""
+def test_trainer_pin_cores_reproduces_in_process_run(tmp_path, monkeypatch):
+    """Sync with the rollout in a pinned process, and in an unpinned one (rollout_process),
+    equals the in-process run (losses, rewards, eval). The test process is unpinned afterwards.
+    (Async with pin_cores: test_bench_async.)"""
     from rl import config as C
+    from rl import trainer as T
     from rl.trainer import train
     from rl.transport import pin_threads
+
+    children: list[tuple[int, tuple]] = []  # (pid, cores) of each run's rollout process
+
+    class Recorded(T.ProcessEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append((self.process.pid, self.cores))
+
+    monkeypatch.setattr(T, "ProcessEngine", Recorded)
 
     def run(name, *extra):
         train(C.load(None, [*RUN, f"run_root={tmp_path}", f"name={name}", *extra]))
@@ -244,6 +255,8 @@ def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
     compilation_cache.reset_cache()
     try:
         plain = run("plain")
+        shared = run("shared", "trainer.rollout_process=true")
+        assert os.sched_getaffinity(0) == cores  # nothing pinned
         pinned = run("pinned", "trainer.pin_cores=true")
         assert os.sched_getaffinity(0) == cores - {0}  # the learner left core 0 to the rollout
     finally:
@@ -253,11 +266,17 @@ def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
         for k, v in env.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         compilation_cache.reset_cache()
-    assert sorted(plain) == sorted(pinned) == [0, 1, 2, 3]
+    assert [c for _, c in children] == [(), (0,)]  # shared: every core; pinned: core 0
+    assert all(pid != os.getpid() for pid, _ in children)
+    assert sorted(plain) == sorted(pinned) == sorted(shared) == [0, 1, 2, 3]
     for step in plain:
         for key in ("loss/loss", "reward/mean", "episode/length", "eval/reward"):
             if key in plain[step]:
-                assert pinned[step][key] == pytest.approx(plain[step][key], abs=1e-6), (step, key)
+                for other in (pinned, shared):
+                    assert other[step][key] == pytest.approx(plain[step][key], abs=1e-6), (
+                        step,
+                        key,
+                    )
     assert plain[3]["episode/length"] > 4  # ignore_eos budgets: longer than the minimum
 
 

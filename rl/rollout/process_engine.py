@@ -317,7 +317,8 @@ class ProcessEngine:
 
     # -- plumbing -------------------------------------------------------------------------
     def _describe(self) -> str:
-        return f"rollout process {self.name!r} (pid {self.process.pid}, cores {list(self.cores)})"
+        cores = list(self.cores) or "all"
+        return f"rollout process {self.name!r} (pid {self.process.pid}, cores {cores})"
 
     def _read(self):
         """Receives replies; on the child's death fails every waiter."""
