@@ -9,7 +9,11 @@ spreads over every core through XLA's intra-op thread pool. With `trainer.pin_co
 rollout engine runs in its own process pinned to `trainer.rollout_cores` (see
 rl/rollout/process_engine.py) and the learner process is pinned to the other cores (or
 `trainer.learner_cores`), as separate accelerator pools would be. Sync and async runs use the
-same split, so their wall clocks compare like with like.
+same split, so their wall clocks compare like with like. With `trainer.rollout_process` (the
+main job's setting) the rollout engine also runs in its own process but unpinned: the OS
+interleaves it with the learner on every core. Where the learner is the bottleneck that is the
+faster layout (main job, 2 cores: async RL stage 54.4 s shared, 59.7 s pinned; README "Async
+against sync"); pinning pays where both sides have work for their own cores.
 
 XLA sizes its thread pool from the cores the process may use when JAX initialises its backend
 (the first `jax.devices()` or computation); pinning later still moves every thread, but the pool
