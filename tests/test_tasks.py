@@ -210,6 +210,28 @@ def test_arithmetic_problems_and_demonstrations():
     assert seen_ops == {"+", "-", "*"}
 
 
+def test_arithmetic_reversed_digits():
+    """reverse_digits: the answer least significant digit first, a sign kept in front."""
+    task = get_task("arithmetic", digits=2, ops=("+", "-"), reverse_digits=True)
+    plain = get_task("arithmetic", digits=2, ops=("+", "-"))
+    for p in task.problems("train", 300):
+        a, op, b = re.fullmatch(r"(\d{2})([+\-])(\d{2})=", p.prompt).groups()
+        expected = int(a) + int(b) if op == "+" else int(a) - int(b)
+        digits = str(abs(expected))[::-1]
+        demo = task.demonstration(p)
+        assert demo == f"<answer>{'-' if expected < 0 else ''}{digits}</answer>", (p.prompt, demo)
+        assert task.reward(p, demo).reward == 1.0
+        assert plain.reward(p, demo).correct == (digits == digits[::-1])  # palindromes only
+    p = Problem(id="r", prompt="36+73=", answer="109", meta={})
+    assert task.reward(p, "<answer>901</answer>").correct
+    assert not task.reward(p, "<answer>109</answer>").correct
+    assert task.reward(p, "<answer>109</answer>").formatted  # a number, in the wrong order
+    assert task.reward(p, "<answer>9-01</answer>").reward == 0.0  # a sign only in front
+    n = Problem(id="n", prompt="12-40=", answer="-28", meta={})
+    assert task.reward(n, "<answer>-82</answer>").correct
+    assert not task.reward(n, "<answer>82-</answer>").formatted
+
+
 @pytest.mark.parametrize("use_all", [False, True])
 def test_countdown_problems_and_demonstrations(use_all):
     task = get_task("countdown", use_all=use_all)

@@ -37,6 +37,10 @@ class ArithmeticTask:
     seed: int = 0
     eval_fraction: float = 0.1
     format_reward: float = 0.1
+    # The answer's digits least significant first ("12+34=" -> "<answer>64</answer>"; a sign
+    # stays in front): each digit then follows from digits already seen, the order in which
+    # small transformers learn addition far faster (Lee et al. 2023).
+    reverse_digits: bool = False
 
     name: ClassVar[str] = "arithmetic"
     max_turns: ClassVar[int] = 1
@@ -65,6 +69,8 @@ class ArithmeticTask:
     def reward(self, problem: Problem, completion: str) -> RewardResult:
         """1.0 for the right integer in <answer></answer>, format_reward for another integer."""
         content = extract_answer(completion)
+        if content is not None and self.reverse_digits:  # only a well-formed integer turns
+            content = _reverse_digits(content.strip()) if parse_int(content) is not None else None
         value = None if content is None else parse_int(content)
         if value is None:
             return ZERO
@@ -72,8 +78,15 @@ class ArithmeticTask:
 
     def demonstration(self, problem: Problem) -> str:
         """The correct completion (eos not included)."""
-        return f"{ANSWER_OPEN}{problem.answer}{ANSWER_CLOSE}"
+        answer = _reverse_digits(problem.answer) if self.reverse_digits else problem.answer
+        return f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
 
     def env_step(self, problem: Problem, transcript: str) -> str | None:
         """Single turn: the episode ends after the model's first turn."""
         return None
+
+
+def _reverse_digits(text: str) -> str:
+    """'-123' <-> '-321': the digits reversed, a leading sign kept in front (an involution)."""
+    sign = text[:1] if text[:1] in "+-" else ""
+    return sign + text[len(sign) :][::-1]
