@@ -12,8 +12,8 @@ rl/rollout/process_engine.py) and the learner process is pinned to the other cor
 same split, so their wall clocks compare like with like. With `trainer.rollout_process` (the
 main job's setting) the rollout engine also runs in its own process but unpinned: the OS
 interleaves it with the learner on every core. Where the learner is the bottleneck that is the
-faster layout (main job, 2 cores: async RL stage 54.4 s shared, 59.7 s pinned; README "Async
-against sync"); pinning pays where both sides have work for their own cores.
+faster layout (the main job's 40-update recipe on 2 cores: async RL stage 54.4 s shared, 59.7 s
+pinned; README "Async against sync"); pinning pays where both sides have work for their cores.
 
 XLA sizes its thread pool from the cores the process may use when JAX initialises its backend
 (the first `jax.devices()` or computation); pinning later still moves every thread, but the pool
