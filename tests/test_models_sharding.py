@@ -6,24 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
+from model_weights import randomize
 
 from models import create_model, logical_sharding, make_mesh, tiny
 from models.sharding import cache_sharding, logical_to_spec, shard_model
 
 P = PartitionSpec
-
-
-def _randomize(model, seed=0):
-    """Random weights of a useful scale (norm weights near 1), kept on their shardings."""
-    leaves, treedef = jax.tree.flatten_with_path(nnx.state(model, nnx.Param))
-    rng = np.random.RandomState(seed)
-    new = []
-    for path, x in leaves:
-        noise = rng.standard_normal(x.shape).astype(np.float32)
-        value = 1 + 0.2 * noise if "norm" in jax.tree_util.keystr(path) else 0.08 * noise
-        new.append(jax.device_put(jnp.asarray(value, x.dtype), x.sharding))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
-    return model
 
 
 def test_make_mesh_axes_and_errors():
@@ -103,7 +91,7 @@ def test_kv_heads_not_divisible_by_tensor_are_replicated():
 
 def test_forward_on_one_device_equals_four_device_mesh():
     config = tiny()
-    one = _randomize(create_model(config, make_mesh(devices=jax.devices()[:1]), seed=0))
+    one = randomize(create_model(config, make_mesh(devices=jax.devices()[:1]), seed=0))
     mesh = make_mesh(fsdp=2, tensor=2)
     four = shard_model(one, mesh)
     assert _spec(four.model.layers[1].mlp.up_proj.kernel) == P("fsdp", "tensor")
@@ -122,7 +110,7 @@ def test_load_hf_onto_a_mesh_and_save_from_it(tmp_path):
     from models.hf import read_hf_tensors
 
     config = tiny(tie_word_embeddings=True)
-    one = _randomize(create_model(config, seed=0))
+    one = randomize(create_model(config, seed=0))
     save_hf(one, str(tmp_path / "one"))
     mesh = make_mesh(fsdp=2, tensor=2)
     four = load_hf(str(tmp_path / "one"), mesh=mesh)
