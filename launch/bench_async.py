@@ -29,8 +29,9 @@ the other devices), nothing is pinned, and cpu/busy reads n/a (one process). G i
 time during which the engine has a batch running.
 
 --transport picks how rollout and learner talk: `local` (the rollout process is a pinned child
-over a pipe), `ray` (one rollout worker actor, pinned to the same cores, weights and episode
-batches through the Ray object store; the learner stays in this process), or `local,ray`: both
+over a pipe), `ray` (one rollout worker actor pinned to the same cores, the learner an actor
+pinned to the learner's cores, the parameter server an actor; weights and episode batches
+through the Ray object store; this process keeps the coordinator and buffer), or `local,ray`: both
 on the same workload, round by round, with `overhead_sync` and `overhead_async` = ray wall time
 / local wall time over the same window.
 
@@ -72,7 +73,7 @@ class RunTiming:
     staleness_max: float
     partial_ratio: float
     weight_transfer_s: float  # mean ProcessEngine.update_weights total (flatten+send+install)
-    learner_cpu_s: float  # CPU time of this (learner) process in the window, all threads
+    learner_cpu_s: float  # CPU time of the learner's process in the window, all threads
     new_shapes: int  # generation programs the rollout process traced (compiled) in the window
     rollout_cpu_s: float  # CPU time of the rollout process in the window
 
@@ -182,10 +183,11 @@ def run_once(
         if engines:
             now = time.perf_counter()
             pid = engines[0].pid  # an in-process engine's CPU time is not its own: n/a
+            learner_pid = trainer.learner.pid if trainer.remote else os.getpid()
             snaps[step] = dict(
                 engines[0].refresh_stats(),
                 now=now,
-                learner_cpu=_cpu_seconds(os.getpid()),
+                learner_cpu=_cpu_seconds(learner_pid),
                 rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
             )
         return log(step, version, row)

@@ -168,6 +168,8 @@ class RaySection:
         30.0, "a rollout worker that leaves a health check unanswered this long is replaced"
     )
     max_restarts: int = F(2, "replacement workers started per run before the run fails")
+    learner_cpus: float = F(1.0, "CPUs Ray reserves for the learner actor")
+    learner_gpus: float = F(0.0, "GPUs Ray reserves for the learner actor (its mesh's devices)")
 
 
 @dataclasses.dataclass
@@ -187,7 +189,7 @@ class TrainerSection:
     transport: Literal["local", "ray"] = F(
         "local", "local: rollout in this process (or one pinned child); ray: rollout worker actors"
     )
-    ray: RaySection = sub(RaySection, "rollout worker actors (trainer.transport=ray)")
+    ray: RaySection = sub(RaySection, "rollout worker and learner actors (trainer.transport=ray)")
     pin_cores: bool = F(
         False, "CPU: run rollout and learner in processes pinned to their own cores"
     )
@@ -406,6 +408,8 @@ def _check_ranges(cfg: RunConfig) -> None:
         positive("trainer.ray.worker_gpus", ray.worker_gpus, allow_zero=True)
         positive("trainer.ray.health_deadline_s", ray.health_deadline_s)
         positive("trainer.ray.max_restarts", ray.max_restarts, allow_zero=True)
+        positive("trainer.ray.learner_cpus", ray.learner_cpus, allow_zero=True)
+        positive("trainer.ray.learner_gpus", ray.learner_gpus, allow_zero=True)
         if cfg.rollout.engine != "jax":
             raise ConfigError(
                 f"trainer.transport: 'ray' needs rollout.engine 'jax' (the rollout worker "

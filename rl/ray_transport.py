@@ -30,7 +30,30 @@ import time
 
 import numpy as np
 
+from rl.ray_learner import ParamServerActor
 from rl.transport import pin_threads
+
+
+def connect(address: str = "", need_cpus: float = 1.0) -> bool:
+    """Joins the Ray cluster at `address` (or RAY_ADDRESS), else starts a local one.
+
+    Returns True if this call started Ray (the caller shuts it down), False if Ray was already
+    initialised in this process. A local cluster gets at least this host's CPUs and need_cpus.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, int(np.ceil(need_cpus))),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    return True
 
 
 class RolloutWorkerError(RuntimeError):
@@ -286,7 +309,7 @@ class RayRollout:
 
     def __init__(
         self,
-        model,
+        source,
         *,
         version: int,
         task: dict,
@@ -302,7 +325,7 @@ class RayRollout:
         self.options = options
         self.version = version
         self.call_deadline_s = call_deadline_s
-        self.config = model.config
+        self.config = source.config
         self.task = dict(task)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.tokenizer_files = {}
@@ -311,18 +334,7 @@ class RayRollout:
             if os.path.isfile(path):
                 with open(path, "rb") as f:
                     self.tokenizer_files[fname] = f.read()
-        self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            address = options.address or os.environ.get("RAY_ADDRESS", "")
-            if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
-                ray.init(address=address, log_to_driver=False)
-            else:
-                need = options.num_workers * options.cpus
-                ray.init(
-                    num_cpus=max(os.cpu_count() or 1, int(np.ceil(need))),
-                    include_dashboard=False,
-                    log_to_driver=False,
-                )
+        self.owns_ray = connect(options.address, options.num_workers * options.cpus)
         self._actor_cls = ray.remote(RolloutActor).options(
             num_cpus=options.cpus,
             num_gpus=options.gpus,
@@ -330,18 +342,27 @@ class RayRollout:
             max_restarts=0,
         )
         self._lock = threading.Lock()
-        self.weights_ref = ray.put(flat_params(model))
+        # A RemoteLearner's weights were put by the learner process; a model's are put here.
+        self.weights_ref = (
+            source.weights() if hasattr(source, "weights") else ray.put(flat_params(source))
+        )
         self.restarts = 0
         self.lost: list[str] = []  # why each lost worker was lost
         self.batches = 0  # episode batches received through the object store
         self.batch_bytes = 0
         self.sync_times: list[dict] = []
         self.workers: list[_Worker] = []
+        log = os.path.join(options.log_dir, "param-server.log") if options.log_dir else ""
+        self.param_server = ray.remote(ParamServerActor).options(num_cpus=0, max_restarts=0)
+        self.param_server = self.param_server.remote(log)
         self.inflight: dict[int, list[int]] = {}  # slot -> group ids its worker is running
         self._updates: queue.Queue = queue.Queue()  # weight versions for the update thread
         self._updater: threading.Thread | None = None
         self._closed = False
         try:
+            self.param_server_pid = ray.get(
+                self.param_server.info.remote(), timeout=call_deadline_s
+            )["pid"]
             for i in range(options.num_workers):
                 self.workers.append(self._start(i, 0))
             for i in range(options.num_workers):
@@ -544,27 +565,33 @@ class RayRollout:
         path: str | None = None,
         params=None,
         *,
+        ref=None,
         interrupt: bool = False,
         on_served=None,
         on_error=None,
     ) -> None:
-        """Puts the weights into the object store once; every worker installs them, in order.
+        """Publishes `version` through the parameter server actor: every worker installs it.
 
-        Without on_served, returns when every live worker serves `version`. With on_served,
-        returns once the weights are in the object store and calls on_served(version) when every
-        worker serves them (on_error(exception) if that fails), as ProcessEngine does. A worker
-        lost meanwhile is replaced by its dispatcher, on the newest weights.
+        The weights are `ref` (flat numpy params already in the object store, e.g. put by the
+        learner actor) or `params` (put here, once). Without on_served, returns when every
+        live worker serves `version`. With on_served, returns once the weights are handed on
+        and calls on_served(version) when every worker serves them (on_error(exception) if that
+        fails), as ProcessEngine does. A worker lost meanwhile is replaced by its dispatcher,
+        on the newest weights.
         """
         import ray
 
         from rl.rollout.process_engine import flat_params
 
-        if params is None:
-            raise ValueError("RayRollout.update_weights needs params (HF paths: not supported)")
+        if (params is None) == (ref is None):
+            raise ValueError("RayRollout.update_weights needs params or ref (HF paths: no)")
         t0 = time.perf_counter()
-        flat = flat_params(params)
-        t1 = time.perf_counter()
-        ref = ray.put(flat)
+        if ref is None:
+            flat = flat_params(params)
+            t1 = time.perf_counter()
+            ref = ray.put(flat)
+        else:
+            t1 = t0
         with self._lock:  # a replacement started from now on gets these weights
             self.weights_ref, self.version = ref, version
         done = threading.Event()
@@ -591,7 +618,9 @@ class RayRollout:
                 raise result["error"]
 
     def _update_loop(self) -> None:
-        """Installs queued weight versions on every worker, one version at a time, in order."""
+        """Has the parameter server publish queued versions to the workers, one at a time."""
+        import ray
+
         while True:
             item = self._updates.get()
             if item is None:
@@ -600,18 +629,16 @@ class RayRollout:
             try:
                 with self._lock:
                     handles = [w.handle for w in self.workers]
-                refs = [h.update_weights.remote(version, ref, interrupt) for h in handles]
-                install = 0.0
-                for h, r in zip(handles, refs):
-                    try:
-                        install = max(install, self._await(h, r))
-                    except WorkerLost:  # its dispatcher replaces it, on the newest weights
-                        self._kill(h)
+                deadline = self.call_deadline_s
+                call = self.param_server.publish.remote(
+                    version, [ref], handles, interrupt, deadline
+                )
+                out = ray.get(call, timeout=deadline + 30)
                 self.sync_times.append(
                     {
                         "flatten_s": t1 - t0,
                         "send_s": t2 - t1,
-                        "install_s": install,
+                        "install_s": out["install_s"],
                         "total_s": time.perf_counter() - t0,
                     }
                 )
@@ -669,6 +696,7 @@ class RayRollout:
         self._updates.put(None)
         for w in self.workers:
             self._kill(w.handle)
+        self._kill(self.param_server)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -159,6 +159,30 @@ def loss_config(cfg: C.RunConfig) -> L.LossConfig:
     )
 
 
+def rl_step_cfg(cfg: C.RunConfig) -> StepConfig:
+    """The compiled RL step of the run (loss, temperature, micro-batches)."""
+    a = cfg.algorithm
+    n_seq = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches
+    mb = cfg.learner.micro_batch_size
+    return StepConfig(
+        loss=a.loss,
+        loss_cfg=loss_config(cfg),
+        temperature=cfg.rollout.temperature,
+        micro_batches=(n_seq // mb) if mb else 1,
+        logprob_chunk=cfg.learner.logprob_chunk,
+        needs_proximal=a.loss == "decoupled_ppo" or a.is_correction != "none",
+    )
+
+
+def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
+    """The run's initial policy on `mesh`: a preset at cfg.seed, or a Hugging Face checkpoint."""
+    if cfg.model.init == "hf":
+        from models import load_hf
+
+        return load_hf(cfg.model.path, mesh=mesh)
+    return msh.create_model(model_config(cfg, vocab_size), mesh, seed=cfg.seed)
+
+
 class Trainer:
     """Builds a run from a RunConfig and trains it (supervised warm start, then RL)."""
 
@@ -179,36 +203,20 @@ class Trainer:
         self.B = cfg.rollout.prompts_per_update
         self.n = cfg.rollout.group_size
         self.core_split = None
+        self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
         if cfg.trainer.pin_cores:
             self.core_split = split_of(cfg.trainer)
-            if cfg.sft.steps == 0:  # before jax.devices(): XLA sizes its pool from the mask
-                pin_learner(self.core_split.learner)
+            if cfg.sft.steps == 0 and not self.remote:  # before jax.devices(): XLA sizes its
+                pin_learner(self.core_split.learner)  # pool from the mask
             # else the warm start (no rollout process yet) uses every core, and run() pins the
             # learner after it; XLA's pool keeps its size, its threads share the learner's cores
-        self.device_split = device_split(cfg)  # the rollout's devices and the learner's
-        m = cfg.learner.mesh
-        n_dev = m.data * m.fsdp * m.tensor
-        pool = self.device_split.learner if self.device_split else jax.devices()
-        if n_dev > len(pool):
-            raise C.ConfigError(
-                f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
-                f"{len(pool)} available"
-            )
-        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=pool[:n_dev])
-        self.model = self._build_model()
-        self.learner = Learner(
-            self.model, self._rl_tx(), mesh=self.mesh, step_cfg=self._rl_step_cfg()
-        )
-        self.ckpt = Checkpointer(
-            os.path.join(self.run_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints
-        )
         self.resume_meta: dict | None = None
         self.resume_groups: dict = {}
-        if resume and self.ckpt.latest_step() is not None:
-            state, meta, groups = self.ckpt.restore(self.learner.state)
-            self.learner.state = state
-            self.learner.version = meta["version"]
-            self.resume_meta, self.resume_groups = meta, groups
+        self.owns_ray = False
+        if self.remote:
+            self._start_remote_learner(resume)
+        else:
+            self._start_learner(resume)
         self.writer = MetricsWriter(
             self.run_dir,
             tensorboard=cfg.logging.tensorboard,
@@ -220,30 +228,74 @@ class Trainer:
         os.makedirs(self.episodes_dir, exist_ok=True)
 
     # -- building -------------------------------------------------------------------------
-    def _build_model(self):
+    def _start_learner(self, resume: bool) -> None:
+        """The learner in this process, on this host's devices (or trainer.learner_devices)."""
         cfg = self.cfg
-        if cfg.model.init == "hf":
-            from models import load_hf
+        self.device_split = device_split(cfg)  # the rollout's devices and the learner's
+        m = cfg.learner.mesh
+        n_dev = m.data * m.fsdp * m.tensor
+        pool = self.device_split.learner if self.device_split else jax.devices()
+        if n_dev > len(pool):
+            raise C.ConfigError(
+                f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
+                f"{len(pool)} available"
+            )
+        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=pool[:n_dev])
+        model = build_model(cfg, self.tokenizer.vocab_size, self.mesh)
+        self.learner = Learner(model, self._rl_tx(), mesh=self.mesh, step_cfg=self._rl_step_cfg())
+        self.ckpt = Checkpointer(
+            os.path.join(self.run_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints
+        )
+        if resume and self.ckpt.latest_step() is not None:
+            state, meta, groups = self.ckpt.restore(self.learner.state)
+            self.learner.state = state
+            self.learner.version = meta["version"]
+            self.resume_meta, self.resume_groups = meta, groups
 
-            return load_hf(cfg.model.path, mesh=self.mesh)
-        mcfg = model_config(cfg, self.tokenizer.vocab_size)
-        return msh.create_model(mcfg, self.mesh, seed=cfg.seed)
+    def _start_remote_learner(self, resume: bool) -> None:
+        """The learner as a Ray actor (trainer.transport=ray); this process holds no model."""
+        from rl.ray_learner import RemoteLearner
+        from rl.ray_transport import connect
+
+        cfg, r = self.cfg, self.cfg.trainer.ray
+        self.device_split = None
+        self.mesh = self.ckpt = None
+        need = r.num_workers * r.worker_cpus + r.learner_cpus
+        self.owns_ray = connect(r.address, need_cpus=need)
+        try:
+            self.learner = RemoteLearner(
+                cfg,
+                self.run_dir,
+                self.tokenizer.vocab_size,
+                cpus=r.learner_cpus,
+                gpus=r.learner_gpus,
+                cores=self.core_split.learner if self.core_split else (),
+                log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
+                deadline_s=cfg.trainer.deadline_s,
+            )
+            restored = self.learner.restore() if resume else None
+        except BaseException:
+            self.close_ray()
+            raise
+        if restored is not None:
+            self.resume_meta, self.resume_groups = restored
+
+    def close_ray(self) -> None:
+        """Ends the learner actor and the Ray cluster this trainer started (ray transport)."""
+        learner = getattr(self, "learner", None)
+        if self.remote and learner is not None:
+            learner.close()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
+            self.owns_ray = False
 
     def _rl_tx(self):
         return rl_optimizer(self.cfg)
 
     def _rl_step_cfg(self) -> StepConfig:
-        a = self.cfg.algorithm
-        n_seq = self.B * self.n // self.cfg.learner.minibatches
-        mb = self.cfg.learner.micro_batch_size
-        return StepConfig(
-            loss=a.loss,
-            loss_cfg=loss_config(self.cfg),
-            temperature=self.cfg.rollout.temperature,
-            micro_batches=(n_seq // mb) if mb else 1,
-            logprob_chunk=self.cfg.learner.logprob_chunk,
-            needs_proximal=a.loss == "decoupled_ppo" or a.is_correction != "none",
-        )
+        return rl_step_cfg(self.cfg)
 
     def train_problem(self, group: int):
         """The problem of group number `group` (the data cursor walks the train stream)."""
@@ -304,7 +356,7 @@ class Trainer:
             log_dir=os.path.abspath(os.path.join(self.run_dir, "logs")),
         )
         return RayRollout(
-            self.learner.model,
+            self.learner,
             version=self.learner.version,
             task={"name": c.task.name, "seed": c.task.seed, "options": dict(c.task.options)},
             tokenizer_dir=self.tok_dir,
@@ -402,9 +454,11 @@ class Trainer:
                 )
         else:
             extra = {"on_served": on_served, "on_error": on_error} if on_served else {}
+            weights = {"ref": self.learner.weights()} if self.remote else {}
             engine.update_weights(
                 version,
-                params=self.learner.params(),
+                params=None if self.remote else self.learner.params(),
+                **weights,
                 interrupt=self.cfg.trainer.partial == "continue",
                 **extra,
             )
@@ -543,10 +597,19 @@ class Trainer:
             "consumed": bstate.get("consumed", []),
             **extra,
         }
-        self.ckpt.save(step, self.learner.state, meta, bstate["groups"])
+        if self.remote:  # the learner actor writes its checkpoint
+            self.learner.save(step, meta, bstate["groups"])
+        else:
+            self.ckpt.save(step, self.learner.state, meta, bstate["groups"])
 
     def run(self) -> dict:
         """Trains; returns the last logged metrics (with eval/accuracy before and after)."""
+        try:
+            return self._run()
+        finally:
+            self.close_ray()  # the ray transport's learner actor, and a cluster it started
+
+    def _run(self) -> dict:
         cfg = self.cfg
         summary: dict = {}
         resumed = self.resume_meta is not None
@@ -559,7 +622,7 @@ class Trainer:
                 GroupBuffer(Coordinator(self.B, 0)),
                 {"sft_done": True},
             )
-        if self.core_split is not None and cfg.sft.steps > 0:
+        if self.core_split is not None and cfg.sft.steps > 0 and not self.remote:
             pin_learner(self.core_split.learner)
         start_version = self.learner.version
         engine = self.make_engine()
@@ -683,7 +746,8 @@ class Trainer:
                 worker.join(timeout=60)
             engine.close()
             self.writer.close()
-            self.ckpt.close()
+            if not self.remote:
+                self.ckpt.close()
         summary["time/total"] = time.perf_counter() - t_start
         summary["eval/accuracy_end"] = summary.get("eval/accuracy")
         return summary
@@ -704,13 +768,8 @@ class Trainer:
                 f"targets (raise pack_length or lower rollout.max_new_tokens)"
             )
         rows = len(pack_rows([len(e.tokens) - 1 for e in eps], row_len))
-        shape = dict(self.mesh.shape)
-        unit = (
-            self.cfg.learner.minibatches
-            * self._rl_step_cfg().micro_batches
-            * shape.get("data", 1)
-            * shape.get("fsdp", 1)
-        )
+        m = self.cfg.learner.mesh
+        unit = self.cfg.learner.minibatches * self._rl_step_cfg().micro_batches * m.data * m.fsdp
         num_rows = unit * 2 ** max(0, int(np.ceil(np.log2(-(-rows // unit)))))
         return make_batch(eps, adv, num_rows=num_rows, row_len=row_len, pack=True)
 

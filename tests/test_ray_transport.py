@@ -1,6 +1,7 @@
-"""The `ray` transport: rollout worker actors in their own processes, episode batches in the
-object store, a real SIGKILL of a worker mid-run (re-dispatch, every finished episode trained
-exactly once), a worker that stops answering (SIGSTOP), the restart limit, lossless resume."""
+"""The `ray` transport: rollout workers, the learner and the parameter server as actors in
+their own processes, episode batches in the object store, a real SIGKILL of a worker mid-run
+(re-dispatch, every finished episode trained exactly once), a worker that stops answering
+(SIGSTOP), the restart limit, lossless resume (checkpoints written by the learner actor)."""
 
 import glob
 import json
@@ -50,7 +51,7 @@ BASE = [
 @pytest.fixture(scope="module")
 def cluster():
     """One local Ray cluster for the module; the actors inherit this process's XLA_FLAGS."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # learner + 2 workers
     yield
     ray.shutdown()
 
@@ -139,7 +140,7 @@ def test_pack_unpack_round_trip():
 def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path):
     """Direct use of the pool: separate pids, batches as shared-memory numpy, a SIGSTOPped
     worker detected within the health deadline, then the restart limit's error."""
-    trainer = Trainer(_cfg(str(tmp_path), "pool"))
+    trainer = Trainer(_cfg(str(tmp_path), "pool", "trainer.transport=local"))  # a model here
     opts = RayOptions(num_workers=1, health_deadline_s=2.0, max_restarts=1, log_dir=str(tmp_path))
     pool = RayRollout(
         trainer.learner.model,
@@ -238,6 +239,12 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
 
     pids = seen["pids"]
     assert len(set(pids)) == 2 and os.getpid() not in pids  # separate processes
+    # the learner and the parameter server are actors of their own too
+    learner_pid, server_pid = trainer.learner.pid, seen["pool"].param_server_pid
+    assert len({os.getpid(), learner_pid, server_pid, *pids}) == 5
+    with open(os.path.join(trainer.run_dir, "logs", "learner.log")) as f:
+        assert f"learner: pid {learner_pid}," in f.read()
+    assert _gone(learner_pid)  # ended with the run
     assert seen["inflight"], "worker 0 was killed with no groups in flight"
     assert _gone(seen["killed"])
     rows = _rows(trainer.run_dir)
