@@ -81,7 +81,9 @@ class SFTSection:
 @dataclasses.dataclass
 class VLLMSection:
     urls: list[str] = F([], "existing vLLM servers to use; empty = launch num_hosts locally")
-    num_hosts: int = F(1, "vLLM servers to launch on this machine when urls is empty")
+    num_hosts: int = F(
+        1, "vLLM servers to launch on this machine when urls is empty (ray: per rollout worker)"
+    )
     host: str = F("127.0.0.1", "bind address of launched servers")
     enforce_eager: bool = F(True, "launch with --enforce-eager (faster start on CPU)")
     ready_timeout_s: float = F(300.0, "deadline for a launched server to become healthy")
@@ -410,11 +412,11 @@ def _check_ranges(cfg: RunConfig) -> None:
         positive("trainer.ray.max_restarts", ray.max_restarts, allow_zero=True)
         positive("trainer.ray.learner_cpus", ray.learner_cpus, allow_zero=True)
         positive("trainer.ray.learner_gpus", ray.learner_gpus, allow_zero=True)
-        if cfg.rollout.engine != "jax":
+        if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.urls:
             raise ConfigError(
-                f"trainer.transport: 'ray' needs rollout.engine 'jax' (the rollout worker "
-                f"actors run the JAX sampler), got {cfg.rollout.engine!r}; valid with "
-                "'vllm': 'local'"
+                f"rollout.vllm.urls: {cfg.rollout.vllm.urls!r} with trainer.transport 'ray'; "
+                "ray rollout workers launch their own vLLM hosts (rollout.vllm.num_hosts each): "
+                "valid: [] (or trainer.transport 'local' to use running servers)"
             )
     if cfg.learner.micro_batch_size:
         n = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches

@@ -255,36 +255,73 @@ class RemoteLearner:
 class ParamServerActor:
     """Publishes weight versions to the rollout workers, in order; remembers the newest."""
 
-    def __init__(self, log_path: str = ""):
+    def __init__(self, log_path: str = "", hf: dict | None = None):
         self.log_path = log_path
         _redirect(log_path)
         self.version = -1
         self.weights: list = []
         self.published = 0
+        self.server = None
+        if hf is not None:  # vLLM workers: each version becomes a published HF directory
+            from flax import nnx
+
+            from models.transformer import Transformer
+            from rl.param_server import ParamServer
+
+            config = hf.pop("config")
+            abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+            self.template = nnx.state(abstract, nnx.Param)
+            self.server = ParamServer(hf.pop("weights_dir"), config, **hf)
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "log": self.log_path}
 
-    def publish(self, version: int, weights: list, workers: list, interrupt: bool, deadline_s):
-        """Has every worker install weights[0] as `version`; {install_s, skipped, total_s}.
+    def write(self, version: int, weights: list) -> str:
+        """Writes weights[0] (flat numpy params) as the HF directory of `version` (vLLM)."""
+        import ray
 
-        A worker that died (killed by its dispatcher for missing a health check, or lost) is
-        skipped: its replacement starts on the newest weights.
+        from rl.rollout.process_engine import _fill
+
+        path, _ = self.server.write(version, _fill(self.template, ray.get(weights[0])))
+        self.server.engine_versions["workers"] = version  # kept until a newer one is served
+        self.server.retain()
+        return path
+
+    def publish(self, version: int, weights: list, workers: list, interrupt: bool, deadline_s):
+        """Has every worker install `version`; {install_s, skipped, total_s, weights}.
+
+        weights[0] is the flat numpy params' ObjectRef; JAX workers install it from the object
+        store, vLLM workers reload the HF directory written here from it ('weights' in the reply:
+        what a replacement worker starts on). A worker that died or fails its health check (its
+        dispatcher replaces it) is skipped: its replacement starts on the newest weights.
         """
         import ray
 
         t0 = time.perf_counter()
-        self.version, self.weights = version, list(weights)
-        refs = [w.update_weights.remote(version, weights[0], interrupt) for w in workers]
+        send = self.write(version, weights) if self.server is not None else weights[0]
+        self.version, self.weights = version, [send]
+        refs = [w.update_weights.remote(version, send, interrupt) for w in workers]
         install, skipped = 0.0, 0
-        for r in refs:
+        for w, r in zip(workers, refs):
             try:
                 install = max(install, ray.get(r, timeout=deadline_s))
             except ray.exceptions.RayActorError:
                 skipped += 1
+            except ray.exceptions.RayTaskError:  # lost its engine (vLLM hosts exited), or a
+                try:  # failed update on a healthy worker, which must not serve the old version
+                    ray.get(w.ping.remote(), timeout=deadline_s)
+                except ray.exceptions.RayError:
+                    skipped += 1
+                    continue
+                raise
         self.published += 1
-        return {"install_s": install, "skipped": skipped, "total_s": time.perf_counter() - t0}
+        return {
+            "install_s": install,
+            "skipped": skipped,
+            "total_s": time.perf_counter() - t0,
+            "weights": [send],
+        }
 
     def latest(self) -> tuple[int, list]:
-        """(newest version, [its weights ref])."""
+        """(newest version, [its weights: an ObjectRef, or an HF directory for vLLM])."""
         return self.version, self.weights

@@ -170,6 +170,7 @@ class RolloutActor:
         engine_kwargs: dict,
         cores: tuple[int, ...] = (),
         log_path: str = "",
+        vllm: dict | None = None,
     ):
         self.name, self.log_path = name, log_path
         if log_path:  # everything the process prints (JAX warnings, tracebacks) goes here
@@ -191,12 +192,19 @@ class RolloutActor:
         from rl.rollout.process_engine import _Busy, _fill
         from rl.tasks import get_task
 
-        abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
-        self.graphdef, self.template = nnx.split(abstract, nnx.Param)
-        device = jax.devices()[0]
-        params = jax.tree.map(lambda x: jax.device_put(x, device), _fill(self.template, weights))
-        self.engine = JaxEngine(nnx.merge(self.graphdef, params), version=version, **engine_kwargs)
         self._fill = _fill
+        if vllm is not None:  # vLLM hosts on this node; `weights` is a published HF directory
+            self.engine = _launch_vllm(name, weights, version, vllm, log_path)
+        else:  # a JAX sampler; `weights` are flat numpy params from the object store
+            abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+            self.graphdef, self.template = nnx.split(abstract, nnx.Param)
+            device = jax.devices()[0]
+            params = jax.tree.map(
+                lambda x: jax.device_put(x, device), _fill(self.template, weights)
+            )
+            self.engine = JaxEngine(
+                nnx.merge(self.graphdef, params), version=version, **engine_kwargs
+            )
         self.task = get_task(task["name"], seed=task["seed"], **task["options"])
         tok_dir = tempfile.mkdtemp(prefix=f"tandem-{name}-tok-")
         for fname, data in tokenizer_files.items():
@@ -211,16 +219,27 @@ class RolloutActor:
         """pid, node, cores and log path of this worker."""
         import ray
 
+        hosts = getattr(self.engine, "hosts", [])  # a vLLM worker's servers
         return {
             "pid": os.getpid(),
             "session": os.getsid(0),
             "node": ray.util.get_node_ip_address(),
             "cores": sorted(os.sched_getaffinity(0)),
             "log": self.log_path,
+            "hosts": [(h.url, h.process.pid if h.process else -1, h.log_path) for h in hosts],
         }
 
     def ping(self) -> int:
-        """Health check: answers at once, even while a rollout generates."""
+        """Health check: answers at once, even while a rollout generates.
+
+        Raises if every vLLM host of this worker has exited (the worker is then replaced).
+        """
+        hosts = getattr(self.engine, "hosts", None)
+        if hosts and all(h.exit_code() is not None for h in hosts):
+            raise RuntimeError(
+                "every vLLM host of this worker exited: "
+                + "; ".join(h.failure_message("exited") for h in hosts)
+            )
         return os.getpid()
 
     def rollout(self, items: list, sampling) -> list:
@@ -263,12 +282,19 @@ class RolloutActor:
             self.busy.exit(sum(len(g.token_ids) for g in gens))
         return gens
 
-    def update_weights(self, version: int, weights: dict, interrupt: bool) -> float:
-        """Installs flat numpy weights as `version`; returns seconds (waits as the engine does)."""
+    def update_weights(self, version: int, weights, interrupt: bool) -> float:
+        """Installs `version`; returns seconds (waits as the engine does).
+
+        weights: flat numpy params (JAX sampler) or a published HF directory (vLLM hosts, which
+        drain or continue as rollout.vllm's update mode says).
+        """
         t0 = time.perf_counter()
-        self.engine.update_weights(
-            version, params=self._fill(self.template, weights), interrupt=interrupt
-        )
+        if isinstance(weights, str):
+            self.engine.update_weights(version, path=weights)
+        else:
+            self.engine.update_weights(
+                version, params=self._fill(self.template, weights), interrupt=interrupt
+            )
         self.install["install_s"] += time.perf_counter() - t0
         self.install["updates"] += 1
         return time.perf_counter() - t0
@@ -286,9 +312,53 @@ class RolloutActor:
         return {
             **self.busy.snapshot(),
             **self.install,
-            "traces": self.engine.traces,
+            "traces": getattr(self.engine, "traces", 0),
             "pid": os.getpid(),
         }
+
+    def shutdown(self) -> None:
+        """Closes the engine (a vLLM worker stops its servers) before the actor is killed."""
+        self.engine.close()
+
+
+def _launch_vllm(name: str, path: str, version: int, opts: dict, log_path: str):
+    """A VLLMEngine over opts['num_hosts'] vLLM servers launched here, serving `path`.
+
+    The servers die with this process (PR_SET_PDEATHSIG): a killed worker leaves no orphan.
+    """
+    import tempfile
+
+    from rl.rollout.vllm import VLLMEngine, VLLMHost
+
+    log_dir = os.path.dirname(log_path) if log_path else tempfile.gettempdir()
+    hosts = []
+    try:
+        for i in range(opts["num_hosts"]):
+            hosts.append(
+                VLLMHost.launch(
+                    path,
+                    log_path=os.path.join(log_dir, f"{name}-vllm-{i}.log"),
+                    host=opts["host"],
+                    enforce_eager=opts["enforce_eager"],
+                    seed=opts["seed"] + i,
+                    extra_args=opts["extra_args"],
+                    die_with_parent=True,
+                )
+            )
+        for h in hosts:
+            h.wait_ready(opts["ready_timeout_s"])
+    except BaseException:
+        for h in hosts:
+            h.stop()
+        raise
+    return VLLMEngine(
+        hosts,
+        version=version,
+        update_mode=opts["update_mode"],
+        request_timeout_s=opts["request_timeout_s"],
+        deadline_s=opts["deadline_s"],
+        owns_hosts=True,
+    )
 
 
 @dataclasses.dataclass
@@ -317,7 +387,13 @@ class RayRollout:
         options: RayOptions,
         engine_kwargs: dict | None = None,
         call_deadline_s: float = 600.0,
+        vllm: dict | None = None,
     ):
+        """vllm: the workers drive vLLM hosts instead of a JAX sampler: VLLMHost.launch and
+        VLLMEngine options (num_hosts per worker, host, enforce_eager, seed, extra_args,
+        ready_timeout_s, update_mode, request_timeout_s, deadline_s) plus 'hf', the parameter
+        server's ParamServer options (weights_dir on a filesystem every node shares, config,
+        tokenizer_dir, keep, hf_overrides)."""
         import ray
 
         from rl.rollout.process_engine import flat_params
@@ -328,6 +404,7 @@ class RayRollout:
         self.config = source.config
         self.task = dict(task)
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.vllm = {k: v for k, v in (vllm or {}).items() if k != "hf"} if vllm else None
         self.tokenizer_files = {}
         for fname in sorted(os.listdir(tokenizer_dir)):
             path = os.path.join(tokenizer_dir, fname)
@@ -354,7 +431,7 @@ class RayRollout:
         self.workers: list[_Worker] = []
         log = os.path.join(options.log_dir, "param-server.log") if options.log_dir else ""
         self.param_server = ray.remote(ParamServerActor).options(num_cpus=0, max_restarts=0)
-        self.param_server = self.param_server.remote(log)
+        self.param_server = self.param_server.remote(log, dict(vllm["hf"]) if vllm else None)
         self.inflight: dict[int, list[int]] = {}  # slot -> group ids its worker is running
         self._updates: queue.Queue = queue.Queue()  # weight versions for the update thread
         self._updater: threading.Thread | None = None
@@ -363,6 +440,9 @@ class RayRollout:
             self.param_server_pid = ray.get(
                 self.param_server.info.remote(), timeout=call_deadline_s
             )["pid"]
+            if self.vllm:  # vLLM workers start from the published HF directory of `version`
+                write = self.param_server.write.remote(version, [self.weights_ref])
+                self.weights_ref = ray.get(write, timeout=call_deadline_s)
             for i in range(options.num_workers):
                 self.workers.append(self._start(i, 0))
             for i in range(options.num_workers):
@@ -402,6 +482,7 @@ class RayRollout:
                 self.engine_kwargs,
                 tuple(o.cores),
                 log,
+                self.vllm,
             )
         return _Worker(name, handle, log=log)
 
@@ -478,7 +559,10 @@ class RayRollout:
             batch = ray.get(outer[0])
         except ray.exceptions.ObjectLostError as e:  # its owner (the worker) died
             raise WorkerLost(f"died ({type(e).__name__})") from e
-        except ray.exceptions.RayTaskError as e:  # a bug in the rollout: fail the run
+        except ray.exceptions.RayTaskError as e:  # a bug in the rollout: fail the run, unless
+            why = self._unhealthy(slot)  # the worker lost its engine (vLLM hosts exited)
+            if why:
+                raise WorkerLost(f"failed a health check: {why}") from e
             raise RolloutWorkerError(f"{self.describe(slot)} raised:\n{e}") from e
         with self._lock:
             self.batches += 1
@@ -513,6 +597,8 @@ class RayRollout:
                         ray.get(ping)
                     except ray.exceptions.RayActorError as e:
                         raise WorkerLost(f"died ({type(e).__name__})") from e
+                    except ray.exceptions.RayTaskError as e:  # e.g. its vLLM hosts exited
+                        raise WorkerLost(f"failed a health check: {_first_line(e)}") from e
                     ping, last_answer = None, now
                 elif now - ping_t > deadline:
                     raise WorkerLost(f"did not answer a health check within {deadline:g}s")
@@ -520,6 +606,16 @@ class RayRollout:
                 ping, ping_t = handle.ping.remote(), now
             if now - t0 > self.call_deadline_s:
                 raise WorkerLost(f"no result within trainer.deadline_s={self.call_deadline_s:g}s")
+
+    def _unhealthy(self, slot: int) -> str:
+        """Why the worker of `slot` fails its health check ('' if it passes)."""
+        import ray
+
+        try:
+            ray.get(self.workers[slot].handle.ping.remote(), timeout=self.options.health_deadline_s)
+        except ray.exceptions.RayError as e:
+            return _first_line(e)
+        return ""
 
     def _kill(self, handle) -> None:
         import ray
@@ -592,8 +688,9 @@ class RayRollout:
             ref = ray.put(flat)
         else:
             t1 = t0
-        with self._lock:  # a replacement started from now on gets these weights
-            self.weights_ref, self.version = ref, version
+        if not self.vllm:  # a replacement started from now on gets these weights (vLLM: the
+            with self._lock:  # directory the parameter server writes, once it is written)
+                self.weights_ref, self.version = ref, version
         done = threading.Event()
         result: dict = {}
 
@@ -634,6 +731,17 @@ class RayRollout:
                     version, [ref], handles, interrupt, deadline
                 )
                 out = ray.get(call, timeout=deadline + 30)
+                while self.vllm:  # replacements started meanwhile on the previous directory
+                    with self._lock:
+                        self.weights_ref, self.version = out["weights"][0], version
+                        missed = [w.handle for w in self.workers if w.handle not in handles]
+                    if not missed:
+                        break
+                    handles += missed
+                    call = self.param_server.publish.remote(
+                        version, [ref], missed, interrupt, deadline
+                    )
+                    out = ray.get(call, timeout=deadline + 30)
                 self.sync_times.append(
                     {
                         "flatten_s": t1 - t0,
@@ -694,11 +802,20 @@ class RayRollout:
             return
         self._closed = True
         self._updates.put(None)
+        if self.vllm:  # stop the vLLM servers cleanly (a killed worker's die with it anyway)
+            refs = [w.handle.shutdown.remote() for w in self.workers]
+            ray.wait(refs, num_returns=len(refs), timeout=60)
         for w in self.workers:
             self._kill(w.handle)
         self._kill(self.param_server)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost cause of a Ray error, on one line."""
+    cause = getattr(e, "cause", None) or e
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause) else ''}"
 
 
 _STATS_LOCK = threading.Lock()  # dispatcher threads add to one stats dict

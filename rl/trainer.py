@@ -315,10 +315,10 @@ class Trainer:
 
     def make_engine(self):
         """The rollout engine of the config, serving the learner's current weights."""
-        if self.cfg.rollout.engine == "vllm":
-            return self.make_vllm_engine()
         if self.cfg.trainer.transport == "ray":
             return self.make_ray_rollout()
+        if self.cfg.rollout.engine == "vllm":
+            return self.make_vllm_engine()
         if self.core_split is not None or self.cfg.trainer.rollout_process:
             if jax.default_backend() != "cpu":
                 key = "pin_cores" if self.core_split is not None else "rollout_process"
@@ -363,7 +363,33 @@ class Trainer:
             options=opts,
             engine_kwargs={"max_batch": c.rollout.batch_size, "deadline_s": c.trainer.deadline_s},
             call_deadline_s=c.trainer.deadline_s,
+            vllm=self._ray_vllm_options() if c.rollout.engine == "vllm" else None,
         )
+
+    def _ray_vllm_options(self) -> dict:
+        """What each vLLM rollout worker launches, and the parameter server's HF publication."""
+        v = self.cfg.rollout.vllm
+        return {
+            "num_hosts": v.num_hosts,
+            "host": v.host,
+            "enforce_eager": v.enforce_eager,
+            "seed": self.cfg.seed,
+            "extra_args": list(v.extra_args),
+            "ready_timeout_s": v.ready_timeout_s,
+            "update_mode": self.cfg.trainer.partial,
+            "request_timeout_s": v.request_timeout_s,
+            "deadline_s": self.cfg.trainer.deadline_s,
+            "hf": {
+                "weights_dir": os.path.join(os.path.abspath(self.run_dir), "weights"),
+                "config": self.learner.config,
+                "tokenizer_dir": os.path.abspath(self.tok_dir),
+                "keep": 3,
+                "hf_overrides": {
+                    "eos_token_id": self.tokenizer.eos_id,
+                    "pad_token_id": self.tokenizer.pad_id,
+                },
+            },
+        }
 
     def group_work(self, admitted: list[tuple[int, int]]) -> list[tuple]:
         """Admitted [(group, version)] as [(group, version, problem, seeds)] for a worker."""
@@ -444,7 +470,7 @@ class Trainer:
         learner need not wait while a `drain` finishes the in-flight batch.
         """
         t0 = time.perf_counter()
-        if self.cfg.rollout.engine == "vllm":
+        if self.cfg.rollout.engine == "vllm" and not self.remote:
             result = self.param_server.publish(
                 version, {"vllm": engine}, params=self.learner.params()
             )
@@ -626,7 +652,8 @@ class Trainer:
             pin_learner(self.core_split.learner)
         start_version = self.learner.version
         engine = self.make_engine()
-        eval_engine = engine if cfg.rollout.engine == "jax" else self.make_jax_engine()
+        local_vllm = cfg.rollout.engine == "vllm" and not self.remote  # evaluated by JAX
+        eval_engine = self.make_jax_engine() if local_vllm else engine
         if not resumed:
             ev = self.evaluate(eval_engine)
             summary["eval/accuracy_start"] = ev["eval/accuracy"]

@@ -4,6 +4,7 @@ their own processes, episode batches in the object store, a real SIGKILL of a wo
 (SIGSTOP), the restart limit, lossless resume (checkpoints written by the learner actor)."""
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -310,6 +311,70 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_path):
+    """A rollout worker actor launching and driving a real vLLM host (weights published by the
+    parameter server actor as HF directories); SIGKILL of the host mid-run: the worker fails its
+    health check, is replaced (a new host), the lost groups are re-dispatched, and every
+    finished episode is trained exactly once."""
+    total = 4
+    cfg = _cfg(
+        str(tmp_path),
+        "vllm",
+        "rollout.engine=vllm",
+        "rollout.vllm.ready_timeout_s=400",
+        f"trainer.total_updates={total}",
+        "trainer.ray.num_workers=1",
+        "trainer.ray.health_deadline_s=10",
+        "trainer.deadline_s=400",
+    )
+    trainer = Trainer(cfg)
+    seen: dict = {}
+    make_engine = trainer.make_engine
+
+    def make_and_watch():
+        pool = make_engine()
+        seen["pool"] = pool
+        info = ray.get(pool.workers[0].handle.info.remote())
+        seen["worker"], (_, host_pid, host_log) = info["pid"], info["hosts"][0]
+        with open(f"/proc/{host_pid}/stat") as f:  # the server is the worker's child
+            seen["host_parent"] = int(f.read().rsplit(")", 1)[1].split()[1])
+        seen["host"], seen["host_log"] = host_pid, host_log
+        return pool
+
+    trainer.make_engine = make_and_watch
+    log = trainer.writer.log
+
+    def log_and_kill(step, version, row):
+        out = log(step, version, row)
+        if step == 1:
+            os.killpg(seen["host"], signal.SIGKILL)  # the vLLM server and its engine core
+        return out
+
+    trainer.writer.log = log_and_kill
+    trainer.run()
+
+    assert seen["host_parent"] == seen["worker"] != os.getpid()
+    assert seen["host_log"] == os.path.join(trainer.run_dir, "logs", "rollout-0-vllm-0.log")
+    assert _gone(seen["host"])
+    pids = {os.getpid(), trainer.learner.pid, seen["pool"].param_server_pid, seen["worker"]}
+    assert len(pids) == 4  # driver, learner, parameter server, rollout worker
+    rows = _rows(trainer.run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
+    last = rows[-1]
+    assert last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
+    assert "health check" in seen["pool"].lost[0] and "vLLM host" in seen["pool"].lost[0]
+    trained = _trained(trainer.run_dir)  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    assert last["buffer/trained"] == total * B
+    published = sorted(os.listdir(os.path.join(trainer.run_dir, "weights")))
+    assert published[-1] == f"v{total:06d}" and "LATEST" in published  # by the param server
+    replacement = seen["pool"].workers[0]
+    assert replacement.name == "rollout-0.r1" and _gone(replacement.pid)  # closed with the run
+
+
 def test_ray_config_errors_name_key_value_and_valid_choices():
     ok = C.load(os.path.join(os.path.dirname(__file__), "..", "configs", "ray.yaml"))
     assert ok.trainer.transport == "ray" and ok.trainer.ray.num_workers == 2
@@ -319,9 +384,11 @@ def test_ray_config_errors_name_key_value_and_valid_choices():
         C.load(None, ["trainer.transport=ray", "trainer.ray.num_workers=0"])
     with pytest.raises(C.ConfigError, match=r"trainer\.ray\.max_restarts: invalid value -1"):
         C.load(None, ["trainer.transport=ray", "trainer.ray.max_restarts=-1"])
-    with pytest.raises(
-        C.ConfigError, match=r"trainer\.transport: 'ray' needs rollout\.engine 'jax'"
-    ):
-        C.load(None, ["trainer.transport=ray", "rollout.engine=vllm"])
+    with pytest.raises(C.ConfigError, match=r"rollout\.vllm\.urls: \['http://h:1'\] with trai"):
+        C.load(
+            None, ["trainer.transport=ray", "rollout.engine=vllm", "rollout.vllm.urls=[http://h:1]"]
+        )
+    with pytest.raises(C.ConfigError, match=r"trainer\.ray\.learner_gpus: invalid value -1"):
+        C.load(None, ["trainer.transport=ray", "trainer.ray.learner_gpus=-1"])
     with pytest.raises(C.ConfigError, match=r"trainer\.transport: invalid value 'rey'.*'ray'"):
         C.load(None, ["trainer.transport=rey"])
