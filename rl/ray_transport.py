@@ -1,20 +1,23 @@
 """The `ray` transport: rollout workers as Ray actors, episode batches in the object store.
 
-Each rollout worker is an actor in its own process holding a JaxEngine, the task and the
-tokenizer; it runs whole groups (multi-turn episodes, rewards) and `ray.put`s each finished
-batch as a few flat numpy arrays (pack_groups), so episodes cross processes (and hosts) through
-the shared-memory object store, never as pickled Python objects per token. The learner, the
-coordinator and the buffer stay in the driver process (the trainer), the same code as with
-`local`: one dispatcher thread per worker slot admits groups, sends them to its actor, and
-delivers the unpacked groups to the buffer. Weights go out once per version: one `ray.put` of
-the flat numpy params, shared by every worker.
+Each rollout worker is an actor in its own process holding an engine (a JaxEngine, or a
+VLLMEngine over vLLM hosts the worker launches on its node), the task and the tokenizer; it runs
+whole groups (multi-turn episodes, rewards) and `ray.put`s each finished batch as a few flat
+numpy arrays (pack_groups), so episodes cross processes (and hosts) through the shared-memory
+object store, never as pickled Python objects per token. The coordinator and the buffer stay in
+the driver process (the trainer), the same code as with `local`: one dispatcher thread per
+worker slot admits groups, sends them to its actor, and delivers the unpacked groups to the
+buffer. The learner and the parameter server are actors too (rl/ray_learner.py): the learner
+puts each version's flat numpy params into the object store once, and the parameter server has
+every worker install them, in order (vLLM workers: from the HF directory it writes).
 
 Health: a dispatcher waits for its batch in short slices and pings its actor (a threaded actor
-answers while it generates); an actor that dies (RayActorError) or leaves a ping unanswered for
-`health_deadline_s` is killed, its in-flight groups go back to the coordinator (requeue: the
-same group numbers, counted as re-dispatched) and a replacement starts with the newest weights,
-up to `max_restarts` replacements per run; past that the run fails with an error naming the
-worker, its pid and its log file.
+answers while it generates; a vLLM worker whose hosts all exited fails the ping); an actor that
+dies (RayActorError), fails a ping, or leaves one unanswered for `health_deadline_s` is killed,
+its in-flight groups go back to the coordinator (requeue: the same group numbers, counted as
+re-dispatched) and a replacement starts with the newest weights, up to `max_restarts`
+replacements per run; past that the run fails with an error naming the worker, its pid and its
+log file. vLLM hosts get SIGTERM when their worker's process dies, so none is orphaned.
 
 The `local` transport (CPU core split) is in rl/transport.py; this module is imported only
 when trainer.transport is 'ray' (ray itself is imported lazily, inside the functions).
@@ -212,6 +215,7 @@ class RolloutActor:
                 f.write(data)
         self.tokenizer = load_tokenizer(tok_dir)
         self.busy = _Busy()
+        self.closing = False
         self.install = {"install_s": 0.0, "updates": 0}
         print(f"{name}: pid {os.getpid()}, cores {sorted(os.sched_getaffinity(0))}", flush=True)
 
@@ -264,6 +268,10 @@ class RolloutActor:
                 self.engine, self.task, self.tokenizer, problems, sampling, seeds=seeds
             )
             tokens = sum(e.num_generated for e in eps)
+        except Exception:
+            if self.closing:  # shutdown() closed the engine under it: nobody reads this
+                return []
+            raise
         finally:
             self.busy.exit(tokens)
         groups, k = [], 0
@@ -318,6 +326,7 @@ class RolloutActor:
 
     def shutdown(self) -> None:
         """Closes the engine (a vLLM worker stops its servers) before the actor is killed."""
+        self.closing = True
         self.engine.close()
 
 
