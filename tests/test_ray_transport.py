@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")
 
 from rl import config as C  # noqa: E402
 from rl.checkpoint import load_groups  # noqa: E402
+from rl.ray_learner import LearnerError  # noqa: E402
 from rl.ray_transport import (  # noqa: E402
     RayOptions,
     RayRollout,
@@ -259,6 +260,40 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
     # finished = trained + still buffered at the end: nothing finished was lost or duplicated
     assert last["buffer/finished"] == last["buffer/trained"] + last["buffer/size"]
     assert last["buffer/trained"] == total * B
+
+
+def test_killed_learner_actor_fails_the_run_naming_it(cluster, tmp_path):
+    """SIGKILL of the learner actor's process mid-run: the run fails at once (no hang) with an
+    error naming the learner's pid and log, and leaves no rollout worker behind."""
+    trainer = Trainer(_cfg(str(tmp_path), "learner", "trainer.total_updates=50"))
+    pid = trainer.learner.pid
+    assert pid != os.getpid() and os.path.exists(f"/proc/{pid}")
+    seen: dict = {}
+    make_engine = trainer.make_engine
+
+    def make_and_watch():
+        seen["pool"] = make_engine()
+        return seen["pool"]
+
+    trainer.make_engine = make_and_watch
+    log = trainer.writer.log
+
+    def log_and_kill(step, version, row):
+        out = log(step, version, row)
+        if step == 2:
+            seen["t"] = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+        return out
+
+    trainer.writer.log = log_and_kill
+    with pytest.raises(LearnerError) as err:
+        trainer.run()
+    took = time.perf_counter() - seen["t"]
+    msg = str(err.value)
+    assert f"learner actor (pid {pid}," in msg and "died" in msg, msg
+    assert os.path.join(trainer.run_dir, "logs", "learner.log") in msg
+    assert took < 30, f"the run took {took:.1f}s to fail after the learner died"
+    assert all(_gone(p) for p in seen["pool"].pids())  # the workers were ended with the run
 
 
 def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path):
