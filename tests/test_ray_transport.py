@@ -80,6 +80,24 @@ def _trained(run_dir):
     return out
 
 
+def _watch(trainer, seen: dict, at_step: int, action) -> None:
+    """Keeps the trainer's RayRollout in seen['pool']; runs action() once update at_step is
+    logged."""
+    make_engine, log = trainer.make_engine, trainer.writer.log
+
+    def make_and_keep():
+        seen["pool"] = make_engine()
+        return seen["pool"]
+
+    def log_and_act(step, version, row):
+        out = log(step, version, row)
+        if step == at_step:
+            action()
+        return out
+
+    trainer.make_engine, trainer.writer.log = make_and_keep, log_and_act
+
+
 def _gone(pid, timeout=10.0):
     """True once process `pid` has exited (gone, or a zombie waiting to be reaped)."""
     t0 = time.perf_counter()
@@ -204,38 +222,31 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
     cfg = _cfg(str(tmp_path), "kill", f"trainer.total_updates={total}", "trainer.ray.num_workers=2")
     trainer = Trainer(cfg)
     seen: dict = {}
-    make_engine = trainer.make_engine
 
-    def make_and_watch():
-        pool = make_engine()
-        seen["pool"] = pool
-        seen["pids"] = pool.pids()
-        return pool
+    def busy_slot():  # a worker running groups the run must train (groups >= 3 * B are
+        for slot, groups in list(seen["pool"].inflight.items()):  # dispatched after update 1)
+            if any(g < total * B for g in groups):
+                return slot
+        return None
 
-    trainer.make_engine = make_and_watch
-    log = trainer.writer.log
-
-    def needed_inflight():  # groups worker 0 is running that the run must train
-        return [g for g in seen["pool"].inflight.get(0, []) if g < total * B]
-
-    def kill_while_generating():  # after update 1, the moment worker 0 runs needed groups
+    def kill_while_generating():  # after update 1, the moment a worker runs needed groups
         pool = seen["pool"]
         t0 = time.perf_counter()
-        while not needed_inflight() and time.perf_counter() - t0 < 60:
+        while (slot := busy_slot()) is None and time.perf_counter() - t0 < 60:
             time.sleep(0.001)
-        seen["inflight"] = list(pool.inflight.get(0, []))
-        seen["killed"] = pool.pids()[0]
+        if slot is None:
+            seen["inflight"] = []
+            return
+        seen["inflight"] = list(pool.inflight.get(slot, []))
+        seen["killed"] = pool.pids()[slot]
         os.kill(seen["killed"], signal.SIGKILL)
 
-    def log_and_kill(step, version, row):
-        out = log(step, version, row)
-        if step == 1:
-            killer = threading.Thread(target=kill_while_generating, daemon=True)
-            killer.start()
-            seen["killer"] = killer
-        return out
+    def start_killer():
+        seen["pids"] = seen["pool"].pids()
+        seen["killer"] = threading.Thread(target=kill_while_generating, daemon=True)
+        seen["killer"].start()
 
-    trainer.writer.log = log_and_kill
+    _watch(trainer, seen, 1, start_killer)
     trainer.run()
     seen["killer"].join(5)
 
@@ -247,7 +258,7 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
     with open(os.path.join(trainer.run_dir, "logs", "learner.log")) as f:
         assert f"learner: pid {learner_pid}," in f.read()
     assert _gone(learner_pid)  # ended with the run
-    assert seen["inflight"], "worker 0 was killed with no groups in flight"
+    assert seen["inflight"], "no worker ran needed groups after update 1: none was killed"
     assert _gone(seen["killed"])
     rows = _rows(trainer.run_dir)
     assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
@@ -269,23 +280,12 @@ def test_killed_learner_actor_fails_the_run_naming_it(cluster, tmp_path):
     pid = trainer.learner.pid
     assert pid != os.getpid() and os.path.exists(f"/proc/{pid}")
     seen: dict = {}
-    make_engine = trainer.make_engine
 
-    def make_and_watch():
-        seen["pool"] = make_engine()
-        return seen["pool"]
+    def kill_learner():
+        seen["t"] = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
 
-    trainer.make_engine = make_and_watch
-    log = trainer.writer.log
-
-    def log_and_kill(step, version, row):
-        out = log(step, version, row)
-        if step == 2:
-            seen["t"] = time.perf_counter()
-            os.kill(pid, signal.SIGKILL)
-        return out
-
-    trainer.writer.log = log_and_kill
+    _watch(trainer, seen, 2, kill_learner)
     with pytest.raises(LearnerError) as err:
         trainer.run()
     took = time.perf_counter() - seen["t"]
@@ -367,28 +367,16 @@ def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_pa
     )
     trainer = Trainer(cfg)
     seen: dict = {}
-    make_engine = trainer.make_engine
 
-    def make_and_watch():
-        pool = make_engine()
-        seen["pool"] = pool
-        info = ray.get(pool.workers[0].handle.info.remote())
+    def kill_host():  # after update 1: the vLLM server and its engine core
+        info = ray.get(seen["pool"].workers[0].handle.info.remote())
         seen["worker"], (_, host_pid, host_log) = info["pid"], info["hosts"][0]
         with open(f"/proc/{host_pid}/stat") as f:  # the server is the worker's child
             seen["host_parent"] = int(f.read().rsplit(")", 1)[1].split()[1])
         seen["host"], seen["host_log"] = host_pid, host_log
-        return pool
+        os.killpg(host_pid, signal.SIGKILL)
 
-    trainer.make_engine = make_and_watch
-    log = trainer.writer.log
-
-    def log_and_kill(step, version, row):
-        out = log(step, version, row)
-        if step == 1:
-            os.killpg(seen["host"], signal.SIGKILL)  # the vLLM server and its engine core
-        return out
-
-    trainer.writer.log = log_and_kill
+    _watch(trainer, seen, 1, kill_host)
     trainer.run()
 
     assert seen["host_parent"] == seen["worker"] != os.getpid()
