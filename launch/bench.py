@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import statistics
 import sys
@@ -262,7 +263,9 @@ def bench_learner(args) -> dict:
         print(f"peak device memory: {mem:.1f} GiB")
     if args.breakdown:
         _learner_breakdown(learner, batch, chunk, fl, step_s, peak_flops)
+    ckpt = _checkpoint_times(learner, batch) if args.checkpoint else {}
     return dict(
+        **ckpt,
         learner_tokens_per_s=tokens / step_s,
         mfu=mfu,
         step_s=step_s,
@@ -270,6 +273,55 @@ def bench_learner(args) -> dict:
         hfu=hfu,
         model_tflops=flops_s / 1e12,
     )
+
+
+def _checkpoint_times(learner, batch) -> dict:
+    """Checkpoints the learner state (params + Adam moments) synchronously, then asynchronously
+    while three learner steps run; the async checkpoint is restored and checked against the
+    state it was given (the steps donate the buffers it is writing)."""
+    import shutil
+    import tempfile
+
+    from flax import nnx
+
+    from rl.checkpoint import Checkpointer
+
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(learner.state))
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as root:
+        sync = Checkpointer(os.path.join(root, "sync"), keep=1)
+        t0 = time.perf_counter()
+        sync.save(0, learner.state, {"version": 0})
+        out["ckpt_sync_s"] = time.perf_counter() - t0
+        sync.close()
+        shutil.rmtree(sync.directory)  # one checkpoint on disk at a time
+        saved = jax.tree.map(np.asarray, jax.device_get(nnx.to_pure_dict(learner.state)))
+        ckpt = Checkpointer(os.path.join(root, "async"), keep=1, async_save=True)
+        t0 = time.perf_counter()
+        ckpt.save(1, learner.state, {"version": 1})
+        out["ckpt_async_blocking_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(3):  # training goes on while the checkpoint is written
+            learner.update(batch)
+        jax.block_until_ready(learner.state)
+        steps_s = time.perf_counter() - t1
+        ckpt.wait()
+        out["ckpt_async_total_s"] = time.perf_counter() - t0
+        state, _, _ = ckpt.restore(learner.state)
+        restored = jax.tree.map(np.asarray, jax.device_get(nnx.to_pure_dict(state)))
+        ckpt.close()
+    same = all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved))
+    )
+    print(
+        f"checkpoint of {nbytes / 2**30:.2f} GiB (params + optimizer): sync "
+        f"{out['ckpt_sync_s']:.2f} s; async: the learner waited "
+        f"{out['ckpt_async_blocking_s']:.2f} s, then ran 3 steps ({steps_s:.2f} s) while it was "
+        f"written, committed after {out['ckpt_async_total_s']:.2f} s; restored == saved: {same}"
+    )
+    if not same:
+        raise RuntimeError("the async checkpoint does not hold the state it was given")
+    return out
 
 
 def _learner_breakdown(learner, batch, chunk: int, fl: LearnerFlops, step_s: float, peak):
@@ -440,6 +492,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=2)
     s.add_argument("--steps", type=int, default=5)
     s.add_argument("--breakdown", action="store_true", help="also time body and head alone")
+    s.add_argument(
+        "--checkpoint", action="store_true", help="also time a sync and an async checkpoint"
+    )
 
     s = sub.add_parser("sampler", help="JaxEngine decode throughput and memory roofline")
     common(s)

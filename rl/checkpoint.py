@@ -73,23 +73,37 @@ def load_groups(path: str) -> dict[int, EpisodeGroup]:
 
 
 class Checkpointer:
-    """Saves and restores (learner state, meta, buffered groups) under run_dir/checkpoints."""
+    """Saves and restores (learner state, meta, buffered groups) under run_dir/checkpoints.
 
-    def __init__(self, directory: str, *, keep: int = 2):
+    With async_save the learner waits only while the arrays are copied off its devices; Orbax
+    writes them in the background and commits the step atomically (a crash mid-write leaves
+    the previous checkpoint), and the next save, restore or close waits for it first.
+    """
+
+    def __init__(self, directory: str, *, keep: int = 2, async_save: bool = False):
         self.directory = os.path.abspath(directory)
+        self.async_save = async_save
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            ),
         )
 
     def latest_step(self) -> int | None:
-        """The newest saved step, or None."""
+        """The newest committed step, or None."""
         return self.manager.latest_step()
 
     def save(self, step: int, state: nnx.State, meta: dict, groups: dict | None = None) -> None:
-        """Saves a checkpoint at `step` (waits for completion, so a crash never half-writes)."""
+        """Checkpoints `step`: written before returning, or (async_save) in the background.
+
+        The groups file is written first, synchronously; it counts only once Orbax commits the
+        step, and files of steps Orbax no longer keeps are removed.
+        """
+        if groups is not None:
+            save_groups(os.path.join(self.directory, f"groups_{step}.npz"), groups)
         pure = state.to_pure_dict()
-        self.manager.save(
+        self.manager.save(  # waits for a save still in flight first
             step,
             args=ocp.args.Composite(
                 params=ocp.args.StandardSave(pure[0]),
@@ -97,17 +111,21 @@ class Checkpointer:
                 meta=ocp.args.JsonSave(meta),
             ),
         )
+        if not self.async_save:
+            self.manager.wait_until_finished()
+        keep = set(self.manager.all_steps()) | {step}
+        for name in os.listdir(self.directory):  # retention follows Orbax's
+            if name.startswith("groups_") and name.endswith(".npz"):
+                if int(name[len("groups_") : -len(".npz")]) not in keep:
+                    os.remove(os.path.join(self.directory, name))
+
+    def wait(self) -> None:
+        """Returns once no save is in flight (the newest step is committed)."""
         self.manager.wait_until_finished()
-        if groups is not None:
-            save_groups(os.path.join(self.directory, f"groups_{step}.npz"), groups)
-            for name in os.listdir(self.directory):  # retention follows Orbax's
-                if name.startswith("groups_") and name.endswith(".npz"):
-                    s = int(name[len("groups_") : -len(".npz")])
-                    if s not in self.manager.all_steps():
-                        os.remove(os.path.join(self.directory, name))
 
     def restore(self, state: nnx.State, step: int | None = None):
         """(state, meta, groups) of `step` (default latest); arrays keep `state`'s shardings."""
+        self.wait()
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")

@@ -219,6 +219,9 @@ class TrainerSection:
     )
     checkpoint_every: int = F(0, "Orbax checkpoint every this many updates (0 = only at the end)")
     keep_checkpoints: int = F(2, "checkpoints retained")
+    async_checkpoint: bool = F(
+        True, "write checkpoints in the background (the learner waits only for the host copy)"
+    )
     deadline_s: float = F(600.0, "longest any wait may block before the run fails with an error")
 
 

@@ -79,7 +79,9 @@ class LearnerActor:
         model = build_model(cfg, vocab_size, self.mesh)
         self.learner = Learner(model, rl_optimizer(cfg), mesh=self.mesh, step_cfg=rl_step_cfg(cfg))
         self.ckpt = Checkpointer(
-            os.path.join(run_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints
+            os.path.join(run_dir, "checkpoints"),
+            keep=cfg.trainer.keep_checkpoints,
+            async_save=cfg.trainer.async_checkpoint,
         )
         print(
             f"learner: pid {os.getpid()}, devices {devices[:n]}, "

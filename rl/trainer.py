@@ -244,7 +244,9 @@ class Trainer:
         model = build_model(cfg, self.tokenizer.vocab_size, self.mesh)
         self.learner = Learner(model, self._rl_tx(), mesh=self.mesh, step_cfg=self._rl_step_cfg())
         self.ckpt = Checkpointer(
-            os.path.join(self.run_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints
+            os.path.join(self.run_dir, "checkpoints"),
+            keep=cfg.trainer.keep_checkpoints,
+            async_save=cfg.trainer.async_checkpoint,
         )
         if resume and self.ckpt.latest_step() is not None:
             state, meta, groups = self.ckpt.restore(self.learner.state)

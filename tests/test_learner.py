@@ -296,3 +296,32 @@ def test_sft_reduces_loss_and_matches_nll(model_state):
     assert abs(losses[0] - nll) < 1e-5
     assert all(b < a for a, b in zip(losses, losses[1:]))
     assert losses[-1] < 0.8 * losses[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) asynchronous checkpoints survive the steps that donate the saved buffers
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_async_checkpoint_holds_the_state_it_was_given(model_state, tmp_path, devices):
+    """Learner steps donate the state an async save is still writing: the checkpoint must hold
+    the state as it was at save(), not the buffers XLA reused."""
+    from rl.checkpoint import Checkpointer
+
+    mesh = make_mesh(1, devices // 2 or 1, 2 if devices > 1 else 1, devices=jax.devices()[:devices])
+    learner = Learner(_model(model_state, mesh), make_optimizer(1e-2, total_steps=10), mesh=mesh)
+    batch = make_batch(_episodes(seed=9), _advantages(8), row_len=32)
+    learner.update(batch)
+    saved = jax.tree.map(lambda x: np.array(x, copy=True), nnx.to_pure_dict(learner.state))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=True)
+    ckpt.save(1, learner.state, {"version": 1}, {})
+    for _ in range(3):  # each step donates the previous state (where nothing else holds it)
+        learner.update(batch)
+    fresh = Learner(_model(model_state, mesh), make_optimizer(1e-2, total_steps=10), mesh=mesh)
+    state, meta, groups = ckpt.restore(fresh.state)
+    ckpt.close()
+    restored = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+    assert meta == {"version": 1} and groups == {}
+    assert _max_diff(restored, saved) == 0.0
+    now = jax.tree.map(np.asarray, nnx.to_pure_dict(learner.params()))
+    assert _max_diff(restored[0], now) > 0  # the learner moved on meanwhile

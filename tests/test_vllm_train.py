@@ -174,6 +174,7 @@ def test_publish_from_checkpoint_reloads_the_learners_weights(served):
     # K learner updates (the supervised warm start), an Orbax checkpoint of them.
     trainer.supervised()
     trainer.ckpt.save(K, trainer.learner.state, {"version": K})
+    trainer.ckpt.wait()  # the trainer's saves are asynchronous; the server reads it from disk
     learner_K = _learner_scores(trainer, seqs, ones)
     stale = _vllm_scores(url, seqs)
     d_stale = _max_diff(stale, learner_K)
