@@ -159,13 +159,17 @@ class RemoteLearner:
         cores: tuple[int, ...] = (),
         log_dir: str = "",
         deadline_s: float = 600.0,
+        pass_env: bool = True,
     ):
+        """pass_env: the learner gets this process's XLA_FLAGS and JAX_PLATFORMS (a local
+        cluster); on a joined cluster it keeps its own node's."""
         import ray
 
         self.deadline_s = deadline_s
         self.log = os.path.join(log_dir, "learner.log") if log_dir else ""
         self.pid, self.node = -1, ""
-        env = {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS") if k in os.environ}
+        keys = ("XLA_FLAGS", "JAX_PLATFORMS") if pass_env else ()
+        env = {k: os.environ[k] for k in keys if k in os.environ}
         cls = ray.remote(LearnerActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0)
         self.handle = cls.remote(
             cfg, os.path.abspath(run_dir), vocab_size, tuple(cores), self.log, env

@@ -274,6 +274,7 @@ class Trainer:
                 cores=self.core_split.learner if self.core_split else (),
                 log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
                 deadline_s=cfg.trainer.deadline_s,
+                pass_env=self.owns_ray,  # a joined cluster's nodes keep their own environment
             )
             restored = self.learner.restore() if resume else None
         except BaseException:
