@@ -31,7 +31,7 @@ class LearnerError(RuntimeError):
     """The learner actor died, failed to start, or passed its deadline."""
 
 
-def _redirect(log_path: str) -> None:
+def redirect_output(log_path: str) -> None:
     """Everything the process prints (JAX warnings, tracebacks) goes to log_path."""
     if not log_path:
         return
@@ -55,36 +55,18 @@ class LearnerActor:
         env: dict | None = None,
     ):
         self.log_path = log_path
-        _redirect(log_path)
+        redirect_output(log_path)
         for k, v in (env or {}).items():  # before JAX initialises its backend (XLA_FLAGS)
             os.environ[k] = v
         if cores:
             pin_threads(cores)
         import jax
 
-        from models import sharding as msh
-        from rl.checkpoint import Checkpointer
-        from rl.learner import Learner
-        from rl.trainer import build_model, rl_optimizer, rl_step_cfg
+        from rl.trainer import make_learner
 
-        m = cfg.learner.mesh
-        n = m.data * m.fsdp * m.tensor
-        devices = jax.devices()
-        if n > len(devices):
-            raise ValueError(
-                f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n} devices, the learner "
-                f"actor has {len(devices)} ({devices[0].platform}; trainer.ray.learner_gpus)"
-            )
-        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=devices[:n])
-        model = build_model(cfg, vocab_size, self.mesh)
-        self.learner = Learner(model, rl_optimizer(cfg), mesh=self.mesh, step_cfg=rl_step_cfg(cfg))
-        self.ckpt = Checkpointer(
-            os.path.join(run_dir, "checkpoints"),
-            keep=cfg.trainer.keep_checkpoints,
-            async_save=cfg.trainer.async_checkpoint,
-        )
+        self.mesh, self.learner, self.ckpt = make_learner(cfg, vocab_size, jax.devices(), run_dir)
         print(
-            f"learner: pid {os.getpid()}, devices {devices[:n]}, "
+            f"learner: pid {os.getpid()}, devices {list(self.mesh.devices.flat)}, "
             f"cores {sorted(os.sched_getaffinity(0))}",
             flush=True,
         )
@@ -104,12 +86,12 @@ class LearnerActor:
     def restore(self):
         """Loads the newest checkpoint: None if there is none, else (meta, packed groups)."""
         from rl.ray_transport import pack_groups
+        from rl.trainer import restore_learner
 
-        if self.ckpt.latest_step() is None:
+        restored = restore_learner(self.learner, self.ckpt)
+        if restored is None:
             return None
-        state, meta, groups = self.ckpt.restore(self.learner.state)
-        self.learner.state = state
-        self.learner.version = meta["version"]
+        meta, groups = restored
         return meta, pack_groups(list(groups.values()))
 
     def update(self, batch, minibatches: int) -> tuple[dict, int]:
@@ -263,7 +245,7 @@ class ParamServerActor:
 
     def __init__(self, log_path: str = "", hf: dict | None = None):
         self.log_path = log_path
-        _redirect(log_path)
+        redirect_output(log_path)
         self.version = -1
         self.weights: list = []
         self.published = 0

@@ -183,6 +183,37 @@ def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
     return msh.create_model(model_config(cfg, vocab_size), mesh, seed=cfg.seed)
 
 
+def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
+    """(mesh, Learner, Checkpointer) of the run on `devices`: the in-process learner's and the
+    ray transport's learner actor's."""
+    m = cfg.learner.mesh
+    n_dev = m.data * m.fsdp * m.tensor
+    if n_dev > len(devices):
+        raise C.ConfigError(
+            f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
+            f"{len(devices)} available (trainer.learner_devices / trainer.ray.learner_gpus)"
+        )
+    mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=list(devices)[:n_dev])
+    model = build_model(cfg, vocab_size, mesh)
+    learner = Learner(model, rl_optimizer(cfg), mesh=mesh, step_cfg=rl_step_cfg(cfg))
+    ckpt = Checkpointer(
+        os.path.join(run_dir, "checkpoints"),
+        keep=cfg.trainer.keep_checkpoints,
+        async_save=cfg.trainer.async_checkpoint,
+    )
+    return mesh, learner, ckpt
+
+
+def restore_learner(learner: Learner, ckpt: Checkpointer):
+    """Loads the newest checkpoint into `learner`: (meta, groups), or None if there is none."""
+    if ckpt.latest_step() is None:
+        return None
+    state, meta, groups = ckpt.restore(learner.state)
+    learner.state = state
+    learner.version = meta["version"]
+    return meta, groups
+
+
 class Trainer:
     """Builds a run from a RunConfig and trains it (supervised warm start, then RL)."""
 
@@ -232,27 +263,13 @@ class Trainer:
         """The learner in this process, on this host's devices (or trainer.learner_devices)."""
         cfg = self.cfg
         self.device_split = device_split(cfg)  # the rollout's devices and the learner's
-        m = cfg.learner.mesh
-        n_dev = m.data * m.fsdp * m.tensor
         pool = self.device_split.learner if self.device_split else jax.devices()
-        if n_dev > len(pool):
-            raise C.ConfigError(
-                f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
-                f"{len(pool)} available"
-            )
-        self.mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=pool[:n_dev])
-        model = build_model(cfg, self.tokenizer.vocab_size, self.mesh)
-        self.learner = Learner(model, self._rl_tx(), mesh=self.mesh, step_cfg=self._rl_step_cfg())
-        self.ckpt = Checkpointer(
-            os.path.join(self.run_dir, "checkpoints"),
-            keep=cfg.trainer.keep_checkpoints,
-            async_save=cfg.trainer.async_checkpoint,
+        self.mesh, self.learner, self.ckpt = make_learner(
+            cfg, self.tokenizer.vocab_size, pool, self.run_dir
         )
-        if resume and self.ckpt.latest_step() is not None:
-            state, meta, groups = self.ckpt.restore(self.learner.state)
-            self.learner.state = state
-            self.learner.version = meta["version"]
-            self.resume_meta, self.resume_groups = meta, groups
+        restored = restore_learner(self.learner, self.ckpt) if resume else None
+        if restored is not None:
+            self.resume_meta, self.resume_groups = restored
 
     def _start_remote_learner(self, resume: bool) -> None:
         """The learner as a Ray actor (trainer.transport=ray); this process holds no model."""
@@ -415,7 +432,7 @@ class Trainer:
         (which must serve a model of the same shape; they are reloaded to version v at once).
         """
         from rl.param_server import ParamServer
-        from rl.rollout.vllm import VLLMEngine, VLLMHost
+        from rl.rollout.vllm import VLLMEngine, VLLMHost, launch_hosts
 
         v = self.cfg.rollout.vllm
         self.param_server = ParamServer(
@@ -433,25 +450,15 @@ class Trainer:
         if v.urls:
             hosts = [VLLMHost.connect(u) for u in v.urls]
         else:
-            hosts = []
-            for i in range(v.num_hosts):
-                hosts.append(
-                    VLLMHost.launch(
-                        path,
-                        log_path=os.path.join(self.run_dir, "logs", f"vllm-{i}.log"),
-                        host=v.host,
-                        enforce_eager=v.enforce_eager,
-                        seed=self.cfg.seed + i,
-                        extra_args=v.extra_args,
-                    )
-                )
-            try:
-                for h in hosts:
-                    h.wait_ready(v.ready_timeout_s)
-            except BaseException:
-                for h in hosts:
-                    h.stop()
-                raise
+            hosts = launch_hosts(
+                path,
+                [os.path.join(self.run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)],
+                ready_timeout_s=v.ready_timeout_s,
+                seed=self.cfg.seed,
+                host=v.host,
+                enforce_eager=v.enforce_eager,
+                extra_args=v.extra_args,
+            )
         engine = VLLMEngine(
             hosts,
             version=version,

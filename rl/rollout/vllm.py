@@ -325,6 +325,31 @@ class VLLMHost:
             self._log_file = None
 
 
+def launch_hosts(
+    model_dir: str,
+    log_paths: Sequence[str],
+    *,
+    ready_timeout_s: float,
+    seed: int = 0,
+    **launch_kwargs,
+) -> list[VLLMHost]:
+    """One server per log path (seeds seed, seed + 1, ...), each ready within ready_timeout_s;
+    if any fails to launch or become ready, every one launched is stopped."""
+    hosts: list[VLLMHost] = []
+    try:
+        for i, log_path in enumerate(log_paths):
+            hosts.append(
+                VLLMHost.launch(model_dir, log_path=log_path, seed=seed + i, **launch_kwargs)
+            )
+        for h in hosts:
+            h.wait_ready(ready_timeout_s)
+    except BaseException:
+        for h in hosts:
+            h.stop()
+        raise
+    return hosts
+
+
 def _die_with_parent_preexec(then=None):
     """A preexec_fn: PR_SET_PDEATHSIG(SIGTERM) for the child, then `then()`."""
 
