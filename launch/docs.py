@@ -1,7 +1,7 @@
-"""The config reference in README.md, generated from the schemas: --check or --write it.
+"""The config reference in docs/configuration.md, generated from the schemas: --check or --write it.
 
-python -m launch.docs --check README.md   (exit 1 when the README's block is out of date)
-python -m launch.docs --write README.md   (regenerate the block between the markers)
+python -m launch.docs --check docs/configuration.md   (exit 1 when its block is out of date)
+python -m launch.docs --write docs/configuration.md   (regenerate the block between the markers)
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
-NOTE = "<!-- generated from rl/config.py by `python -m launch.docs --write README.md` -->"
+REFERENCE = "docs/configuration.md"
+NOTE = f"<!-- generated from rl/config.py by `python -m launch.docs --write {REFERENCE}` -->"
 
 
 def _cell(text: str) -> str:
@@ -51,13 +52,13 @@ def _find_block(text: str, path: str) -> tuple[int, int]:
     return start, end + len(END)
 
 
-def current_block(text: str, path: str = "README.md") -> str:
+def current_block(text: str, path: str = REFERENCE) -> str:
     """The marked block of a document, markers included."""
     start, end = _find_block(text, path)
     return text[start:end]
 
 
-def replace_block(text: str, path: str = "README.md") -> str:
+def replace_block(text: str, path: str = REFERENCE) -> str:
     """The document with its marked block replaced by the generated one."""
     start, end = _find_block(text, path)
     return text[:start] + render_block() + text[end:]

@@ -1,4 +1,5 @@
-"""The README's config reference is generated from the schemas and documents every field."""
+"""The config reference (docs/configuration.md) is generated from the schemas and documents every
+field."""
 
 import dataclasses
 import os
@@ -10,7 +11,7 @@ from launch import docs
 from rl import config as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+REFERENCE = os.path.join(ROOT, docs.REFERENCE)
 
 
 def _walk(cls: type, prefix: str = ""):
@@ -95,13 +96,10 @@ def test_missing_markers_are_an_error(tmp_path, capsys):
         docs.replace_block("# no markers\n")
 
 
-def test_readme_block_is_current():
-    if not os.path.exists(README):
-        pytest.skip("README.md does not exist yet")
-    with open(README) as f:
+def test_reference_block_is_current():
+    with open(REFERENCE) as f:
         text = f.read()
-    if docs.START not in text or docs.END not in text:
-        pytest.skip(f"README.md has no {docs.START} / {docs.END} markers yet")
-    assert docs.current_block(text) == docs.render_block(), (
-        "README.md's config reference is stale: run `python -m launch.docs --write README.md`"
+    assert docs.current_block(text, docs.REFERENCE) == docs.render_block(), (
+        f"{docs.REFERENCE}'s config reference is stale: run "
+        f"`python -m launch.docs --write {docs.REFERENCE}`"
     )
