@@ -17,7 +17,7 @@ import numpy as np
 
 from rl.rollout.base import Engine, GenerationRequest, SamplingParams
 from rl.tasks.base import Problem
-from rl.types import Episode
+from rl.types import Episode, EpisodeGroup
 
 _ids = itertools.count()
 
@@ -156,3 +156,19 @@ def run_episodes(
             )
         )
     return episodes
+
+
+def run_groups(
+    engine: Engine, task, tokenizer, items, params: SamplingParams
+) -> list[EpisodeGroup]:
+    """Runs admitted groups [(group id, dispatch version, problem, seeds)] as EpisodeGroups."""
+    problems, seeds = [], []
+    for _, _, p, s in items:
+        problems += [p] * len(s)
+        seeds += list(s)
+    eps = run_episodes(engine, task, tokenizer, problems, params, seeds=seeds)
+    groups, k = [], 0
+    for g, v, p, s in items:
+        groups.append(EpisodeGroup(g, p.id, tuple(eps[k : k + len(s)]), v))
+        k += len(s)
+    return groups

@@ -16,6 +16,7 @@ from flax import nnx
 from models import sharding as msh
 from rl.algorithms import losses as L
 from rl.logprobs import token_logprobs
+from rl.rollout.base import Weights
 from rl.types import Episode, TrainBatch
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +92,28 @@ def make_batch(
             out["versions"][r, s] = np.where(e.loss_mask[1:] > 0, e.versions[1:], -1)
             col += n
     return TrainBatch(**out, num_sequences=len(episodes))
+
+
+def train_batch(
+    episodes: Sequence[Episode], advantages, *, row_len: int, pack: bool, unit: int, rows: int
+) -> TrainBatch:
+    """An update's TrainBatch: `rows` rows of one episode each, or packed rows.
+
+    Packed, the row count is rounded up to `unit` x a power of two (unit = minibatches x
+    micro-batches x data-parallel size, so every split is even): a handful of shapes, so a
+    handful of compilations, however the lengths vary.
+    """
+    if not pack:
+        return make_batch(episodes, advantages, num_rows=rows, row_len=row_len)
+    longest = max(len(e.tokens) - 1 for e in episodes)
+    if longest > row_len:
+        raise ValueError(
+            f"learner.pack_length: invalid value {row_len}; an episode has {longest} "
+            f"targets (raise pack_length or lower rollout.max_new_tokens)"
+        )
+    n = len(pack_rows([len(e.tokens) - 1 for e in episodes], row_len))
+    num_rows = unit * 2 ** max(0, int(np.ceil(np.log2(-(-n // unit)))))
+    return make_batch(episodes, advantages, num_rows=num_rows, row_len=row_len, pack=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +237,10 @@ class Learner:
     def params(self) -> nnx.State:
         """The current parameters (nnx.Param state)."""
         return nnx.state(self.model, nnx.Param)
+
+    def weights(self) -> Weights:
+        """The current parameters as the engines' Weights."""
+        return Weights(params=self.params())
 
     # -- compiled functions ---------------------------------------------------------------
     def _compile_train(self, cfg: StepConfig):

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -44,35 +44,6 @@ def _finite_1d(values: Any) -> np.ndarray:
     """Values flattened to float64 with non-finite entries removed."""
     x = np.asarray(values, dtype=np.float64).reshape(-1)
     return x[np.isfinite(x)]
-
-
-def summarize(name: str, values: Any) -> dict[str, float]:
-    """`name/mean`, `name/min`, `name/max`, `name/std` (population std) of the finite values."""
-    x = _finite_1d(values)
-    if x.size == 0:
-        return {f"{name}/{k}": math.nan for k in ("mean", "min", "max", "std")}
-    return {
-        f"{name}/mean": float(x.mean()),
-        f"{name}/min": float(x.min()),
-        f"{name}/max": float(x.max()),
-        f"{name}/std": float(x.std()),
-    }
-
-
-def histogram_counts(values: Any, bins: int | Iterable[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(counts int64 [nbins], edges float64 [nbins+1]) of the finite values, np.histogram bins."""
-    x = _finite_1d(values)
-    if isinstance(bins, (int, np.integer)):
-        if bins < 1:
-            raise ValueError(f"bins={bins}: need at least 1 bin (or a sequence of edges)")
-        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 1.0)
-        counts, edges = np.histogram(x, bins=int(bins), range=(lo, hi) if hi > lo else None)
-    else:
-        edges_in = np.asarray(list(bins), dtype=np.float64)
-        if edges_in.ndim != 1 or edges_in.size < 2 or np.any(np.diff(edges_in) <= 0):
-            raise ValueError(f"bins={edges_in.tolist()}: edges must be >= 2 increasing numbers")
-        counts, edges = np.histogram(x, bins=edges_in)
-    return counts.astype(np.int64), edges.astype(np.float64)
 
 
 def staleness_metrics(token_staleness: Any, mask: Any = None) -> dict[str, float]:
@@ -115,104 +86,67 @@ def staleness_metrics(token_staleness: Any, mask: Any = None) -> dict[str, float
     return out
 
 
-class Timer:
-    """Accumulates named wall-clock sections; `pop()` returns `timing/<name>` seconds and resets.
+class BusyClock:
+    """Wall time during which at least one call runs (the union of intervals), calls, tokens.
 
-    Usage: `with timer("weight_sync"): ...`. Thread-safe; repeated sections add up.
+    The one busy clock of the project: engines, rollout workers and dispatchers time their
+    generate calls with it (`with clock.busy(): ...`, then `clock.add_tokens(n)`).
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
         self._lock = threading.Lock()
-        self._totals: dict[str, float] = {}
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+        self.calls = 0
+        self.tokens = 0
 
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        """Time the body under `name`."""
-        t0 = self._clock()
-        try:
-            yield
-        finally:
-            self.add(name, self._clock() - t0)
-
-    def add(self, name: str, seconds: float) -> None:
-        """Add externally measured seconds to `name`."""
+    def enter(self) -> None:
+        """A call starts."""
         with self._lock:
-            self._totals[name] = self._totals.get(name, 0.0) + float(seconds)
-
-    def metrics(self) -> dict[str, float]:
-        """Accumulated seconds per section as `timing/<name>`, without resetting."""
-        with self._lock:
-            return {f"timing/{k}": v for k, v in self._totals.items()}
-
-    def pop(self) -> dict[str, float]:
-        """Accumulated seconds per section as `timing/<name>`; then start from zero."""
-        with self._lock:
-            out = {f"timing/{k}": v for k, v in self._totals.items()}
-            self._totals.clear()
-            return out
-
-
-class IdleTracker:
-    """Fraction of wall time a component spent waiting, per window: `idle/<name>`.
-
-    Wrap every blocking wait in `with tracker.waiting(): ...`; `pop()` returns the idle
-    fraction since the previous pop (a wait still in progress counts up to now). With
-    `workers` > 1 concurrent waiters, the fraction is waiting-worker-seconds / (workers * wall).
-    """
-
-    def __init__(self, name: str, *, workers: int = 1, clock: Callable[[], float] = time.monotonic):
-        if workers < 1:
-            raise ValueError(f"workers={workers}: must be >= 1")
-        self.name = name
-        self.workers = workers
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._window_start = clock()
-        self._waited = 0.0  # worker-seconds in finished waits (this window)
-        self._active = 0  # workers waiting right now
-        self._active_since = self._window_start  # last time `_active` changed or window began
-
-    def _settle(self, now: float) -> None:
-        self._waited += self._active * (now - self._active_since)
-        self._active_since = now
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Count the body as idle time."""
-        with self._lock:
-            self._settle(self._clock())
+            if self._active == 0:
+                self._since = self._clock()
             self._active += 1
+            self.calls += 1
+
+    def exit(self, tokens: int = 0) -> None:
+        """A call ends, having generated `tokens`."""
+        with self._lock:
+            self._active -= 1
+            self.tokens += int(tokens)
+            if self._active == 0:
+                self._total += self._clock() - self._since
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Counts the body as busy time (tokens: add_tokens)."""
+        self.enter()
         try:
             yield
         finally:
-            with self._lock:
-                self._settle(self._clock())
-                self._active -= 1
+            self.exit()
 
-    def add(self, seconds: float) -> None:
-        """Add idle worker-seconds measured elsewhere (e.g. reported by another process)."""
+    def add_tokens(self, n: int) -> None:
+        """Counts `n` generated tokens."""
         with self._lock:
-            self._waited += float(seconds)
+            self.tokens += int(n)
 
-    def fraction(self) -> float:
-        """Idle fraction of the current window so far (NaN for an empty window)."""
+    def busy_s(self) -> float:
+        """Busy seconds so far (a call in progress counts up to now)."""
         with self._lock:
-            now = self._clock()
-            self._settle(now)
-            wall = (now - self._window_start) * self.workers
-            return min(1.0, self._waited / wall) if wall > 0 else math.nan
+            return self._total + (self._clock() - self._since if self._active else 0.0)
 
-    def pop(self) -> dict[str, float]:
-        """`{"idle/<name>": fraction}` for the window since the last pop; starts a new window."""
+    def snapshot(self) -> dict:
+        """busy_s, generate_calls, tokens, generating (calls running now)."""
         with self._lock:
-            now = self._clock()
-            self._settle(now)
-            wall = (now - self._window_start) * self.workers
-            frac = min(1.0, self._waited / wall) if wall > 0 else math.nan
-            self._window_start = now
-            self._waited = 0.0
-        return {f"idle/{self.name}": frac}
+            now = self._total + (self._clock() - self._since if self._active else 0.0)
+            return {
+                "busy_s": now,
+                "generate_calls": self.calls,
+                "tokens": self.tokens,
+                "generating": self._active,
+            }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,3 +401,67 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's per-update row and episode dumps
+
+
+def update_row(groups, batch, met: dict, version: int) -> tuple[dict, np.ndarray]:
+    """The metrics of one update on `groups` (its batch, the learner's metrics) and the
+    staleness of every trained token (version - token version), for the histogram."""
+    eps = [e for g in groups for e in g.episodes]
+    stale = (version - batch.versions)[batch.loss_mask > 0]
+    spans = [e.version_span for e in eps]
+    row = {f"loss/{k}": v for k, v in met.items() if not k.startswith("timing/")}
+    row.update(
+        {
+            "reward/mean": float(np.mean([e.reward for e in eps])),
+            "reward/correct": float(np.mean([e.correct for e in eps])),
+            "reward/formatted": float(np.mean([e.formatted for e in eps])),
+            "episode/length": float(np.mean([e.num_generated for e in eps])),
+            "episode/turns": float(np.mean([e.num_turns for e in eps])),
+            "batch/rows": float(batch.inputs.shape[0]),
+            "batch/padding": 1.0 - float(np.mean(batch.segment_ids > 0)),
+            "partial/ratio": float(np.mean([s[1] > s[0] for s in spans])),
+            "partial/version_span": float(np.mean([s[1] - s[0] for s in spans])),
+            "timing/train_step": met["timing/train_step"],
+        }
+    )
+    row.update(staleness_metrics(stale))
+    return row, stale
+
+
+# Engine counters logged each update, under the names the metrics always had.
+ENGINE_METRICS = {
+    "workers": "rollout/workers",
+    "restarts": "rollout/restarts",
+    "workers_lost": "rollout/workers_lost",
+    "batches": "transport/batches",
+    "batch_mbytes": "transport/batch_mbytes",
+    "updates": "rollout/weight_updates",
+    "traces": "rollout/compilations",
+}
+
+
+def engine_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
+    """The engine's stats() counters that the metrics row carries."""
+    return {name: float(stats[k]) for k, name in ENGINE_METRICS.items() if k in stats}
+
+
+def dump_episodes(path: str, groups, tokenizer, limit: int) -> None:
+    """The first `limit` episodes of `groups` as JSON lines (for inspection, not for resume)."""
+    eps = [(g.group_id, i, e) for g in groups for i, e in enumerate(g.episodes)][:limit]
+    with open(path, "w") as f:
+        for gid, i, e in eps:
+            row = {
+                "group": gid,
+                "index": i,
+                "problem_id": e.problem_id,
+                "prompt": tokenizer.decode(e.tokens[: e.prompt_len].tolist()),
+                "completion": e.completion_text,
+                "reward": e.reward,
+                "versions": list(e.version_span),
+                "finish_reason": e.finish_reason,
+            }
+            f.write(json.dumps(row) + "\n")

@@ -50,7 +50,8 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _workers() -> int:
+def io_workers() -> int:
+    """Threads for parallel shard I/O and hashing."""
     return max(1, min(16, os.cpu_count() or 1))
 
 
@@ -72,7 +73,7 @@ def host_params_hf_layout(params) -> dict:
             return np.ascontiguousarray(x.T).T
         return x
 
-    with concurrent.futures.ThreadPoolExecutor(_workers()) as pool:
+    with concurrent.futures.ThreadPoolExecutor(io_workers()) as pool:
         out = list(pool.map(hf_order, [path for path, _ in leaves], host))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -156,7 +157,7 @@ class ParamServer:
                 os.fsync(f.fileno())
         names = sorted((set(files) | set(os.listdir(tmp))) - {MANIFEST})
         # Shards hash in parallel (hashlib releases the GIL): many-core hosts, multi-shard models.
-        with concurrent.futures.ThreadPoolExecutor(min(len(names), _workers())) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(len(names), io_workers())) as pool:
             digests = list(pool.map(lambda n: sha256_file(os.path.join(tmp, n)), names))
         manifest = {"version": version, "files": dict(zip(names, digests))}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -199,7 +200,7 @@ class ParamServer:
         result = PublishResult(version, path, nbytes, restore_s=t1 - t0, write_s=t2 - t1)
         for name, engine in (engines or {}).items():
             try:
-                engine.update_weights(version, path=path)
+                engine.update_weights(version, path).wait()
                 self.engine_versions[name] = version
                 result.acks[name] = version
             except Exception as e:  # noqa: BLE001 - reported per engine; the rest still move
@@ -207,6 +208,11 @@ class ParamServer:
         result.reload_s = time.perf_counter() - t2
         self.retain()
         return result
+
+    def served(self, name: str, version: int) -> None:
+        """Records that engine `name` serves `version` and applies retention."""
+        self.engine_versions[name] = version
+        self.retain()
 
     def retain(self) -> list[str]:
         """Deletes old directories except the newest `keep` and any an engine still serves."""

@@ -1,5 +1,5 @@
-"""launch.bench: the RESULT line of each benchmark on a tiny model (CPU), and its FLOP/byte counts
-against hand-computed values."""
+"""launch.bench (the dispatcher) and launch/benches/: the RESULT line of each benchmark on a tiny
+model (CPU), and its FLOP/byte counts against hand-computed values."""
 
 import math
 import os
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from launch import bench
+from launch.benches import common, learner, sampler
 from models import qwen2_0p5b, tiny
 
 
@@ -67,12 +68,12 @@ def test_learner_flops_by_hand():
     """tiny: D=128, q_dim=128, kv_dim=64, F=512, L=2, V=128, rows of T=32 tokens."""
     per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 512  # q, k, v, o, MLP
     n = 2 * per_layer + 128 * 128  # + LM head
-    fl = bench.learner_flops(tiny(), 32, remat="none", chunk=0)
+    fl = learner.learner_flops(tiny(), 32, remat="none", chunk=0)
     assert fl.matmul_params == n == 507_904
     assert fl.model == 6 * n + 12 * 2 * 32 * 128 == 3_145_728
     assert fl.model_causal == 6 * n + 6 * 2 * 32 * 128
     assert fl.executed == fl.model
-    full = bench.learner_flops(tiny(), 32, remat="full", chunk=64)
+    full = learner.learner_flops(tiny(), 32, remat="full", chunk=64)
     assert full.executed == fl.model + (2 * 2 * per_layer + 4 * 2 * 32 * 128) + 2 * 128 * 128
 
 
@@ -81,8 +82,8 @@ def test_qwen2_0p5b_flops_and_decode_bytes_by_hand():
     # Qwen2.5-0.5B: 24 x (896*896*2 + 2*896*128 + 3*896*4864) + 896*151936 (tied head)
     matmuls = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864
     n = 24 * matmuls + 896 * 151936
-    assert bench.learner_flops(cfg, 1024).matmul_params == n == 493_961_216
-    nb = bench.decode_bytes(cfg, batch=8, prompt_len=128, new_tokens=256, cache_len=384)
+    assert learner.learner_flops(cfg, 1024).matmul_params == n == 493_961_216
+    nb = sampler.decode_bytes(cfg, batch=8, prompt_len=128, new_tokens=256, cache_len=384)
     layer = matmuls + 896 + 2 * 128 + 2 * 896  # + q/k/v biases + two norms
     assert nb.params == 2 * (896 * 151936 + 24 * layer + 896)  # bf16, tied embedding read once
     per_pos = 2 * 24 * 2 * 64 * 2  # k and v, 24 layers, 2 kv heads of 64, bf16
@@ -91,9 +92,9 @@ def test_qwen2_0p5b_flops_and_decode_bytes_by_hand():
 
 
 def test_device_peaks_and_auto_chunk():
-    assert bench.device_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
-    assert bench.device_peaks("NVIDIA H200") == (989e12, 4.8e12)
-    assert bench.device_peaks("NVIDIA H100 PCIe") == (None, None)
-    assert bench.device_peaks("cpu") == (None, None)
-    assert bench.auto_chunk(151936) == 15232  # 10 chunks, 384 padded ids
-    assert bench.auto_chunk(128) == 128
+    assert common.device_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert common.device_peaks("NVIDIA H200") == (989e12, 4.8e12)
+    assert common.device_peaks("NVIDIA H100 PCIe") == (None, None)
+    assert common.device_peaks("cpu") == (None, None)
+    assert learner.auto_chunk(151936) == 15232  # 10 chunks, 384 padded ids
+    assert learner.auto_chunk(128) == 128

@@ -14,8 +14,9 @@ import yaml
 from launch import export as E
 from models import sharding as msh
 from rl import config as C
+from rl.build import model_config
 from rl.checkpoint import restore_params
-from rl.trainer import Trainer, model_config, train
+from rl.trainer import Trainer, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "configs", "default.yaml")
@@ -65,7 +66,7 @@ def _torch_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
 
 def _restored_trainer(cfg, run_dir) -> Trainer:
     trainer = Trainer(cfg, run_dir=run_dir, resume=True)
-    assert trainer.resume_meta is not None, "the trainer restored no checkpoint"
+    assert trainer.restored is not None, "the trainer restored no checkpoint"
     return trainer
 
 
@@ -88,7 +89,7 @@ def test_export_matches_learner_logits(run_dir, hf_dir):
         tokens = _tokens(trainer.tokenizer.vocab_size)
         ours = np.asarray(jax.device_get(trainer.learner.model(tokens)), np.float32)
         init = msh.create_model(
-            model_config(cfg, trainer.tokenizer.vocab_size), trainer.mesh, seed=cfg.seed
+            model_config(cfg, trainer.tokenizer.vocab_size), trainer.learner.mesh, seed=cfg.seed
         )
         untrained = np.asarray(jax.device_get(init(tokens)), np.float32)
     finally:

@@ -1,7 +1,7 @@
 """The local transport's device split (trainer.rollout_devices / learner_devices), on the 4 fake
 CPU devices of conftest: the rollout engine's params live on its devices and the learner's on its
 mesh, a split engine gives the one-device engine's tokens, weights reach it device to device
-(update_weights with on_served), a split sync run reproduces the unsplit run, and an async run on
+(update_weights in the background), a split sync run reproduces the unsplit run, and an async run on
 a 2 + 2 split completes within its staleness bound. The same code splits a host's GPUs."""
 
 import json
@@ -15,9 +15,10 @@ from model_weights import randomize
 
 from models import create_model, tiny
 from rl import config as C
+from rl.placement import device_split
 from rl.rollout.base import GenerationRequest, SamplingParams
 from rl.rollout.jax_engine import JaxEngine
-from rl.trainer import Trainer, device_split
+from rl.trainer import Trainer
 
 CONFIG = tiny()
 
@@ -104,7 +105,7 @@ def models():
 def test_engine_on_two_devices_equals_one_device_engine(models):
     old, new = models
     devs = jax.devices()
-    split = JaxEngine(old, chunk=4, devices=devs[:2])
+    split = JaxEngine(old, chunk=4, devices=devs[:2], background_install=True)
     ref = JaxEngine(old, chunk=4, devices=devs[3:])
     assert _devices_of(split.params) == {devs[0], devs[1]}
     assert _devices_of(ref.params) == {devs[3]}
@@ -114,20 +115,18 @@ def test_engine_on_two_devices_equals_one_device_engine(models):
         np.testing.assert_array_equal(got.token_ids, want.token_ids)
         assert np.abs(got.logprobs - want.logprobs).max() < 1e-5
         assert (got.versions == 0).all()
-    assert split.refresh_stats()["busy_s"] > 0 and split.refresh_stats()["traces"] == 2
+    assert split.stats()["busy_s"] > 0 and split.stats()["traces"] == 2
 
     # New weights from a model on another device, served asynchronously, then by version 1.
     served = threading.Event()
     got_version = []
-    split.update_weights(
-        1,
-        params=nnx.state(new, nnx.Param),
-        on_served=lambda v: (got_version.append(v), served.set()),
+    split.update_weights(1, nnx.state(new, nnx.Param)).then(
+        lambda v: (got_version.append(v), served.set())
     )
     assert served.wait(60) and got_version == [1]
     assert _devices_of(split.params) == {devs[0], devs[1]}
     assert len(split.sync_times) == 1 and split.sync_times[0]["total_s"] > 0
-    ref.update_weights(1, params=nnx.state(new, nnx.Param))
+    ref.update_weights(1, nnx.state(new, nnx.Param)).wait()
     after, want = split.generate(reqs), ref.generate(reqs)
     for a, w in zip(after, want):
         np.testing.assert_array_equal(a.token_ids, w.token_ids)
@@ -159,9 +158,7 @@ def _run(tmp_path, name, *extra):
     """Trains; returns (metrics by step, the devices of the engine's and the learner's params)."""
     trainer = Trainer(C.load(None, [*RUN, f"run_root={tmp_path}", f"name={name}", *extra]))
     engines = []
-    make = trainer.make_engine
-    trainer.make_engine = lambda: engines.append(make()) or engines[-1]
-    trainer.run()
+    trainer.run(on_engine=engines.append)
     with open(tmp_path / name / "metrics.jsonl") as f:
         rows = {r["step"]: r for r in map(json.loads, f)}
     return rows, _devices_of(engines[0].params), _devices_of(trainer.learner.params()), trainer
@@ -194,7 +191,7 @@ def test_async_run_on_two_plus_two_devices(tmp_path):
         "learner.mesh.data=2",
     )
     assert eng_devs == {devs[0], devs[1]} and learner_devs == {devs[2], devs[3]}
-    assert set(trainer.mesh.devices.flat) == {devs[2], devs[3]}
+    assert set(trainer.learner.mesh.devices.flat) == {devs[2], devs[3]}
     assert sorted(rows) == [0, 1, 2, 3]
     assert all(rows[s]["staleness/max"] <= 1 for s in (1, 2, 3))
     assert all(np.isfinite(rows[s]["loss/loss"]) for s in (1, 2, 3))

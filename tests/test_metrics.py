@@ -1,4 +1,4 @@
-"""metrics.jsonl format, resume, tensorboard events, aggregation helpers, progress output."""
+"""metrics.jsonl format, resume, tensorboard events, the busy clock, progress output."""
 
 import io
 import json
@@ -244,73 +244,33 @@ def test_staleness_metrics_mask_empty_and_negative():
         M.staleness_metrics(np.array([0.5]))
 
 
-def test_summarize_matches_numpy():
-    x = np.random.default_rng(0).normal(size=(7, 3))
-    out = M.summarize("reward", x)
-    assert out == {
-        "reward/mean": pytest.approx(np.mean(x), abs=1e-12),
-        "reward/min": np.min(x),
-        "reward/max": np.max(x),
-        "reward/std": pytest.approx(np.std(x), abs=1e-12),
-    }
-    assert M.summarize("r", [1.0, np.nan, 3.0]) == {
-        "r/mean": 2.0, "r/min": 1.0, "r/max": 3.0, "r/std": 1.0
-    }  # fmt: skip
-    assert all(math.isnan(v) for v in M.summarize("r", []).values())
-
-
-def test_histogram_counts_hand_computed():
-    counts, edges = M.histogram_counts([0, 1, 1, 2, np.nan, 2.5], [0, 1, 2, 3])
-    assert counts.tolist() == [1, 2, 2] and edges.tolist() == [0, 1, 2, 3]
-    counts, edges = M.histogram_counts([0.0, 1.0, 4.0], 2)
-    assert counts.tolist() == [2, 1] and edges.tolist() == [0.0, 2.0, 4.0]
-    with pytest.raises(ValueError, match="increasing"):
-        M.histogram_counts([1], [2, 1])
-
-
-def test_timer_accumulates_and_pops():
+def test_busy_clock_is_the_union_of_calls():
     clock = FakeClock(0.0)
-    timer = M.Timer(clock=clock)
-    for dt in (1.0, 0.5):
-        with timer("weight_sync"):
-            clock.t += dt
-    with timer("train_step"):
-        clock.t += 2.0
-    timer.add("train_step", 0.25)
-    assert timer.pop() == {"timing/weight_sync": 1.5, "timing/train_step": 2.25}
-    assert timer.pop() == {}
-
-
-def test_idle_tracker_fraction_and_windows():
-    clock = FakeClock(0.0)
-    idle = M.IdleTracker("learner", clock=clock)
-    clock.t = 2.0
-    with idle.waiting():
-        clock.t = 5.0  # waited 3 of 10 s
-    clock.t = 10.0
-    assert idle.pop() == {"idle/learner": 0.3}
-    # A wait spanning the window boundary is split between windows.
-    with idle.waiting():
-        clock.t = 14.0
-        assert idle.pop() == {"idle/learner": 1.0}
-        clock.t = 15.0
-    clock.t = 18.0
-    assert idle.pop() == {"idle/learner": 0.25}
-
-
-def test_idle_tracker_several_workers():
-    clock = FakeClock(0.0)
-    idle = M.IdleTracker("rollout", workers=2, clock=clock)
-    a, b = idle.waiting(), idle.waiting()
-    a.__enter__()
+    busy = M.BusyClock(clock=clock)
+    busy.enter()  # call A: 0..3
     clock.t = 1.0
-    b.__enter__()
+    busy.enter()  # call B: 1..5 overlaps A
     clock.t = 3.0
-    a.__exit__(None, None, None)
-    b.__exit__(None, None, None)
-    clock.t = 4.0
-    # worker-seconds idle: 3 + 2 = 5 of 2 * 4 = 8
-    assert idle.pop() == {"idle/rollout": 5 / 8}
+    busy.exit(tokens=10)
+    assert busy.busy_s() == 3.0  # a call in progress counts up to now
+    clock.t = 5.0
+    busy.exit(tokens=5)
+    clock.t = 8.0
+    with busy.busy():  # 8..9
+        clock.t = 9.0
+    busy.add_tokens(2)
+    snap = busy.snapshot()
+    assert snap == {"busy_s": 6.0, "generate_calls": 3, "tokens": 17, "generating": 0}
+
+
+def test_engine_metrics_keep_their_names():
+    stats = {"busy_s": 1.0, "workers": 2, "restarts": 1, "batches": 7, "batch_mbytes": 0.5}
+    assert M.engine_metrics(stats) == {
+        "rollout/workers": 2.0,
+        "rollout/restarts": 1.0,
+        "transport/batches": 7.0,
+        "transport/batch_mbytes": 0.5,
+    }
 
 
 class FakeTTY(io.StringIO):

@@ -1,6 +1,6 @@
 """ProcessEngine: a JaxEngine in a pinned child process gives the in-process engine's tokens and
 log-probs, serves new weights after update_weights, returns 'abort' partials when an update
-interrupts it, and fails fast and clearly when its process dies."""
+interrupts it (update mode continue), and fails fast and clearly when its process dies."""
 
 import json
 import os
@@ -16,10 +16,10 @@ from jax.experimental.compilation_cache import compilation_cache
 from model_weights import randomize
 
 from models import create_model, tiny
+from rl.placement import core_split
 from rl.rollout.base import GenerationRequest, SamplingParams
 from rl.rollout.jax_engine import JaxEngine
 from rl.rollout.process_engine import ProcessEngine, RolloutProcessError
-from rl.transport import core_split
 
 CONFIG = tiny()
 
@@ -45,7 +45,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = ProcessEngine(models[0], cores=(0,), chunk=4, deadline_s=120)
+    eng = ProcessEngine(models[0], cores=(0,), chunk=4, deadline_s=120, update_mode="continue")
     yield eng
     eng.close()
 
@@ -93,8 +93,8 @@ def test_generations_equal_in_process_engine(engine, ref):
 def test_update_weights_changes_version_and_logprobs(models, engine, ref):
     old, new = models
     before = engine.generate(REQS)
-    engine.update_weights(5, params=nnx.state(new, nnx.Param))
-    ref.update_weights(5, params=nnx.state(new, nnx.Param))
+    engine.update_weights(5, nnx.state(new, nnx.Param)).wait(60)
+    ref.update_weights(5, nnx.state(new, nnx.Param)).wait()
     assert engine.version == 5
     after, want = _both(engine, ref, REQS)
     _assert_same(after, want)
@@ -104,37 +104,38 @@ def test_update_weights_changes_version_and_logprobs(models, engine, ref):
     assert diff > 1e-2  # the served weights really changed
     t = engine.sync_times[-1]
     assert t["total_s"] >= t["install_s"] > 0
-    engine.update_weights(0, params=nnx.state(old, nnx.Param))  # back for the other tests
-    ref.update_weights(0, params=nnx.state(old, nnx.Param))
+    engine.update_weights(0, nnx.state(old, nnx.Param)).wait(60)  # back for the other tests
+    ref.update_weights(0, nnx.state(old, nnx.Param)).wait()
     _assert_same(engine.generate(REQS), before)
 
 
 def test_update_without_waiting_is_served_to_later_generates(models, engine, ref):
-    """on_served: update_weights returns at once; a generate sent after it sees the new weights
-    (the child serves in message order) and on_served(version) comes once they are installed."""
+    """update_weights returns at once; a generate sent after it sees the new weights (the child
+    serves in message order) and the handle's on_served(version) comes once they are installed."""
     old, new = models
     served = []
-    engine.update_weights(7, params=nnx.state(new, nnx.Param), on_served=served.append)
-    ref.update_weights(7, params=nnx.state(new, nnx.Param))
+    engine.update_weights(7, nnx.state(new, nnx.Param)).then(served.append)
+    ref.update_weights(7, nnx.state(new, nnx.Param)).wait()
     got, want = _both(engine, ref, REQS)
     _assert_same(got, want)
     assert served == [7] and engine.version == 7
-    engine.update_weights(0, params=nnx.state(old, nnx.Param))
-    ref.update_weights(0, params=nnx.state(old, nnx.Param))
+    engine.update_weights(0, nnx.state(old, nnx.Param)).wait(60)
+    ref.update_weights(0, nnx.state(old, nnx.Param)).wait()
 
 
 def test_interrupting_update_returns_abort_partials(models, engine):
-    """An update with interrupt=True lands while the child generates: 'abort' partials."""
+    """An update (mode continue) lands while the child generates: 'abort' partials."""
     reqs = _reqs(8, 2000, prefix="long")
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("gens", engine.generate(reqs)))
     t.start()
     deadline = time.monotonic() + 60
-    while not engine.refresh_stats()["generating"]:
+    while not engine.stats()["generating"]:
         assert time.monotonic() < deadline, "the generate never started"
         time.sleep(0.005)
-    engine.update_weights(1, params=nnx.state(models[1], nnx.Param), interrupt=True)
+    update = engine.update_weights(1, nnx.state(models[1], nnx.Param))
     t.join(60)
+    update.wait(60)
     gens = result["gens"]
     assert all(g.finish_reason == "abort" for g in gens)
     n = {len(g.token_ids) for g in gens}
@@ -142,7 +143,7 @@ def test_interrupting_update_returns_abort_partials(models, engine):
     assert all((g.versions == 0).all() for g in gens)  # every token came from the old weights
     short = [GenerationRequest("after", reqs[0].prompt_ids, SamplingParams(4, seed=1))]
     assert (engine.generate(short)[0].versions == 1).all()
-    engine.update_weights(0, params=nnx.state(models[0], nnx.Param))
+    engine.update_weights(0, nnx.state(models[0], nnx.Param)).wait(60)
 
 
 def test_killed_child_raises_clear_error_within_deadline(models):
@@ -162,7 +163,7 @@ def test_killed_child_raises_clear_error_within_deadline(models):
         time.sleep(0.5)
         errors, served = [], []  # a drain update waits behind the generate, then the kill
         new = nnx.state(models[1], nnx.Param)
-        eng.update_weights(1, params=new, on_served=served.append, on_error=errors.append)
+        eng.update_weights(1, new).then(served.append, errors.append)
         t0 = time.monotonic()
         os.kill(eng.pid, signal.SIGKILL)
         t.join(30)
@@ -217,26 +218,24 @@ RUN = [
 ]
 
 
-def test_trainer_pin_cores_reproduces_in_process_run(tmp_path, monkeypatch):
+def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
     """Sync with the rollout in a pinned process, and in an unpinned one (rollout_process),
     equals the in-process run (losses, rewards, eval). The test process is unpinned afterwards.
     (Async with pin_cores: test_bench_async.)"""
     from rl import config as C
-    from rl import trainer as T
-    from rl.trainer import train
-    from rl.transport import pin_threads
+    from rl.placement import pin_threads
+    from rl.rollout import process_engine as PE
+    from rl.trainer import Trainer
 
     children: list[tuple[int, tuple]] = []  # (pid, cores) of each run's rollout process
 
-    class Recorded(T.ProcessEngine):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            children.append((self.process.pid, self.cores))
-
-    monkeypatch.setattr(T, "ProcessEngine", Recorded)
+    def record(engine):
+        if isinstance(engine, PE.ProcessEngine):
+            children.append((engine.process.pid, engine.cores))
 
     def run(name, *extra):
-        train(C.load(None, [*RUN, f"run_root={tmp_path}", f"name={name}", *extra]))
+        cfg = C.load(None, [*RUN, f"run_root={tmp_path}", f"name={name}", *extra])
+        Trainer(cfg).run(on_engine=record)
         with open(tmp_path / name / "metrics.jsonl") as f:
             return {r["step"]: r for r in map(json.loads, f)}
 

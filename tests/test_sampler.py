@@ -371,13 +371,11 @@ def test_interrupting_update_resubmits_on_new_weights(model, tok):
     """`continue` partial rollouts: tokens after the switch come from (and carry) version 1."""
     new_model = randomize(nnx.clone(model), seed=1)
     new_params = nnx.state(new_model, nnx.Param)
-    eng = JaxEngine(model, chunk=4)
+    eng = JaxEngine(model, chunk=4, update_mode="continue")
     updater = []
 
     def switch():  # a weight update from another thread, interrupting this generation
-        t = threading.Thread(
-            target=lambda: eng.update_weights(1, params=new_params, interrupt=True)
-        )
+        t = threading.Thread(target=lambda: eng.update_weights(1, new_params).wait())
         t.start()
         updater.append(t)
         deadline = time.monotonic() + 60

@@ -7,11 +7,10 @@ Each row samples with its own key (fold_in of the request seed and the token ind
 request's output does not depend on what it was batched with.
 
 The engine runs on its own `devices` (default: the first device): the params are replicated over
-them and each batch is split along its rows (data parallel), so on a host with several
-accelerators the rollout can hold devices the learner does not use (trainer.rollout_devices).
-New weights are copied device to device (jax.device_put); with `on_served`, update_weights
-returns once the copy is dispatched and a background thread installs the weights in order
-(after the in-flight batch under `drain`), so the learner does not wait for the rollout.
+them and each batch is split along its rows, so on a host with several accelerators the rollout
+can hold devices the learner does not use (trainer.rollout_devices). New weights are copied
+device to device; with `background_install` a thread installs them in order (after the
+in-flight batch under `drain`) while update_weights returns at once.
 """
 
 from __future__ import annotations
@@ -30,10 +29,19 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.transformer import init_cache
-from rl.rollout.base import Generation, GenerationRequest, SamplingParams
+from rl.metrics import BusyClock
+from rl.rollout.base import (
+    UPDATE_MODES,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    Weights,
+    WeightUpdate,
+)
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (past the last one: a multiple of it)."""
     for b in buckets:
         if n <= b:
             return b
@@ -99,7 +107,13 @@ class JaxEngine:
         max_batch: int = 128,
         deadline_s: float = 600.0,
         devices: Sequence[jax.Device] | None = None,
+        update_mode: str = "drain",
+        background_install: bool = False,
     ):
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
+        self.update_mode = update_mode
+        self.background_install = background_install
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.config = model.config
         self.devices = list(devices) if devices else [jax.devices()[0]]
@@ -126,55 +140,37 @@ class JaxEngine:
         )
         carry_out = (rows,) * 7 + (rep,)  # (cache, tok, pos, n, done, out_tok, out_lp), step
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), out_shardings=carry_out)
-        self.stats = {"tokens": 0, "time": 0.0}
-        self.pid = os.getpid()  # the process that generates (the bench reads its CPU time)
+        self.pid = os.getpid()
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
-        self._busy = {"total": 0.0, "since": 0.0, "active": False, "calls": 0}
+        self.clock = BusyClock()
 
     # -- weights --------------------------------------------------------------------------
-    def update_weights(
-        self,
-        version: int,
-        path: str | None = None,
-        params=None,
-        *,
-        interrupt: bool = False,
-        on_served=None,
-        on_error=None,
-    ) -> None:
-        """Loads new weights (nnx state or HF directory); `interrupt` aborts in-flight work.
+    def update_weights(self, version: int, weights) -> WeightUpdate:
+        """Copies `weights` onto the engine's devices and serves them as `version`.
 
-        Without on_served, returns once the engine serves them. With on_served, returns once
-        the copy onto the engine's devices is dispatched (the caller may then donate its
-        buffers) and calls on_served(version) from a background thread when the engine serves
-        them, or on_error(exception) if it cannot. Either way later generate() calls use them.
+        Under `continue` an in-flight batch returns 'abort' partials at its next chunk end;
+        under `drain` it finishes first. With background_install the handle is done once the
+        copy has landed and is installed (the caller may donate its buffers at once);
+        otherwise update_weights returns when the engine serves the version.
         """
-        if params is None and path is None:
-            raise ValueError("update_weights needs params or path")
         t0 = time.perf_counter()
-        if params is None:
-            from models import load_hf
-
-            params = nnx.state(load_hf(path), nnx.Param)
-        params = self._own(
-            jax.tree.map(
-                lambda old, new: new.astype(old.dtype),
-                self.params,
-                nnx.state(params) if isinstance(params, nnx.Module) else params,
-            )
-        )
+        tree = Weights.of(weights).tree(self.params)
+        params = self._own(jax.tree.map(lambda old, new: new.astype(old.dtype), self.params, tree))
         t1 = time.perf_counter()
         with self._cond:
             self._pending += 1
-        if interrupt:
+        if self.update_mode == "continue":
             self._interrupt.set()
-        if on_served is None:
+        handle = WeightUpdate(version)
+        if not self.background_install:
             self._install(version, params, t0, t1)
-            return
+            handle.set_served()
+            return handle
         if self._updates is None:
             self._updates = queue.Queue()
             threading.Thread(target=self._install_loop, name="weights", daemon=True).start()
-        self._updates.put((version, params, t0, t1, on_served, on_error))
+        self._updates.put((version, params, t0, t1, handle))
+        return handle
 
     def _install(self, version: int, params, t0: float, t1: float) -> None:
         """Swaps in copied weights once no batch runs (drain) or at a chunk end (continue)."""
@@ -194,15 +190,14 @@ class JaxEngine:
     def _install_loop(self) -> None:
         """Installs queued weight updates in order; reports each one served (or failed)."""
         while True:
-            version, params, t0, t1, on_served, on_error = self._updates.get()
+            version, params, t0, t1, handle = self._updates.get()
             try:
                 jax.block_until_ready(params)  # served = the copy has landed on the devices
                 self._install(version, params, t0, t1)
             except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
-                if on_error is not None:
-                    on_error(e)
+                handle.set_failed(e)
                 continue
-            on_served(version)
+            handle.set_served()
 
     def _own(self, params):
         """A private copy replicated on the engine's devices (the learner donates its buffers)."""
@@ -215,14 +210,13 @@ class JaxEngine:
 
         return jax.tree.map(own, params)
 
-    def refresh_stats(self) -> dict:
-        """Generation busy time so far (wall time with a batch running), tokens, compilations."""
-        b = self._busy
-        busy = b["total"] + (time.perf_counter() - b["since"] if b["active"] else 0.0)
+    def stats(self) -> dict:
+        """Generation busy time, calls, tokens, weight installs, compilations, pid."""
         return {
-            "busy_s": busy,
-            "generate_calls": b["calls"],
-            "tokens": self.stats["tokens"],
+            **self.clock.snapshot(),
+            "updates": len(self.sync_times),
+            "install_s": sum(t["install_s"] for t in self.sync_times),
+            "sync_s": sum(t["total_s"] for t in self.sync_times),
             "traces": self.traces,
             "pid": self.pid,
         }
@@ -289,16 +283,15 @@ class JaxEngine:
         return out
 
     def _generate_batch(self, reqs: list[GenerationRequest]) -> list[Generation]:
-        t0 = time.perf_counter()
         n = len(reqs)
-        B = min(_bucket(n, BATCH_BUCKETS), max(self.max_batch, n))
+        B = min(length_bucket(n, BATCH_BUCKETS), max(self.max_batch, n))
         B = -(-B // len(self.devices)) * len(self.devices)  # rows split evenly over devices
         prompt_lens = np.array([len(r.prompt_ids) for r in reqs], np.int32)
         if prompt_lens.min() < 1:
             raise ValueError("every request needs a prompt of at least one token")
-        Tp = _bucket(int(prompt_lens.max()), LEN_BUCKETS)
+        Tp = length_bucket(int(prompt_lens.max()), LEN_BUCKETS)
         max_new = np.array([r.params.max_new_tokens for r in reqs], np.int32)
-        N = _bucket(int(max_new.max()), LEN_BUCKETS)
+        N = length_bucket(int(max_new.max()), LEN_BUCKETS)
         tokens = np.zeros((B, Tp), np.int32)
         for i, r in enumerate(reqs):
             tokens[i, : prompt_lens[i]] = r.prompt_ids
@@ -323,7 +316,7 @@ class JaxEngine:
         keys[:n] = [_key_data(s) for s in seeds]
         # Each row stops on its own request's tokens only (-1 pads; a token id is never -1).
         n_stop = max([len(r.params.stop_token_ids) for r in reqs] + [1])
-        stop_BS = np.full((B, _bucket(n_stop, (4, 8, 16, 64))), -1, np.int32)
+        stop_BS = np.full((B, length_bucket(n_stop, (4, 8, 16, 64))), -1, np.int32)
         for i, r in enumerate(reqs):
             stop_BS[i, : len(r.params.stop_token_ids)] = r.params.stop_token_ids
 
@@ -339,18 +332,18 @@ class JaxEngine:
                     Generation(r.request_id, empty, np.zeros(0, np.float32), empty, "abort")
                     for r in reqs
                 ]
-            self._busy.update(since=time.perf_counter(), active=True)
-            self._busy["calls"] += 1
+            self.clock.enter()
+            gens: list[Generation] = []
             try:
-                return self._generate_locked(
-                    reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
+                gens = self._generate_locked(
+                    reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n
                 )
+                return gens
             finally:
-                self._busy["total"] += time.perf_counter() - self._busy["since"]
-                self._busy["active"] = False
+                self.clock.exit(sum(len(g.token_ids) for g in gens))
 
     def _generate_locked(
-        self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n, t0
+        self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n
     ):
         params, version = self.params, self.version
         # Every [B, ...] input split along rows over the engine's devices, once per batch, like
@@ -396,12 +389,11 @@ class JaxEngine:
                     reason,
                 )
             )
-        self.stats["tokens"] += int(n_gen[:n].sum())
-        self.stats["time"] += time.perf_counter() - t0
         return gens
 
     def close(self) -> None:
-        """Nothing to release for the in-process sampler."""
+        """Ends in-flight generation (nothing else to release in process)."""
+        self.abort()
 
 
 def greedy(max_new_tokens: int, stop_token_ids=()) -> SamplingParams:

@@ -1,29 +1,22 @@
-"""A JaxEngine in a child process pinned to its own CPU cores (the local transport's rollout).
+"""A JaxEngine in a child process, optionally pinned to its own CPU cores.
 
 On a CPU host a sampler and a train step in threads of one process barely overlap (each alone
-spreads over every core through XLA's thread pool); in two processes pinned to disjoint cores
-they overlap fully. `ProcessEngine` implements the Engine protocol by running a `JaxEngine` in
-a `spawn`ed child that pins itself (os.sched_setaffinity) and sets its XLA flags (`xla_flags`;
-default: this process's XLA_FLAGS) BEFORE it imports JAX. Messages are pickled numpy over a pipe:
+spreads over every core through XLA's thread pool); in two processes they overlap. The child
+pins itself (os.sched_setaffinity) and sets its XLA flags BEFORE it imports JAX. Messages are
+pickled numpy over a pipe:
 
   parent -> child   ("generate", id, [GenerationRequest])   -> (id, ok, [Generation], stats)
-                    ("update", id, (version, path, {name: array}, interrupt)) -> (id, ok, secs)
-                    ("abort" | "resume" | "close", id, None) -> (id, ok, None, stats)
+                    ("update", id, (version, path, {name: array})) -> (id, ok, secs, stats)
+                    ("abort" | "resume" | "stats" | "close", id, None) -> (id, ok, None, stats)
 
 The child's main thread only receives; each generate runs in its own thread and weight updates
-run in order on one update thread, so an update (with `interrupt`) lands while a generate is in
-flight, exactly as with the in-process JaxEngine: `drain` waits for the running batch,
-`continue` makes it return 'abort' partials at the next chunk boundary. update_weights returns
-once the child serves the new version (then the coordinator may publish it).
-Every wait has a deadline; a child that dies raises RolloutProcessError naming it and its exit
-code. `stats` holds the child's own clock: generation busy time (the union of generate calls)
-and weight-install time.
+run in order on one update thread, so an update lands while a generate is in flight, exactly as
+with the in-process JaxEngine (`drain` waits for the running batch, `continue` makes it return
+'abort' partials at the next chunk boundary). Every wait has a deadline; a child that dies
+raises RolloutProcessError naming it and its exit code.
 
 The child starts its own session (os.setsid), as a separately launched engine server would:
-on a busy Linux host the autogroup scheduler gives each session one fair share, and inside the
-trainer's session the learner and the rollout would split one share between them. Measured
-here at load average 9: a concurrent sampler on core 0 made the learner's step on core 1 2.1x
-slower from the same session, 1.2x from its own.
+Linux's autogroup scheduler gives each session one fair share of a busy host.
 """
 
 from __future__ import annotations
@@ -39,85 +32,13 @@ import traceback
 
 import numpy as np
 
-from rl.rollout.base import Generation, GenerationRequest
-from rl.transport import pin_learner
+from models.params import fill_params
+from rl.metrics import BusyClock
+from rl.rollout.base import Generation, GenerationRequest, RolloutError, Weights, WeightUpdate
 
-__all__ = ["ProcessEngine", "RolloutProcessError", "flat_params", "pin_learner"]
 
-
-class RolloutProcessError(RuntimeError):
+class RolloutProcessError(RolloutError):
     """The rollout process died, failed a command, or did not answer within the deadline."""
-
-
-def flat_params(params) -> dict[str, np.ndarray]:
-    """An nnx.State / nnx.Module / pytree of params as {path: numpy array} (a host copy)."""
-    import jax
-    from flax import nnx
-
-    if isinstance(params, nnx.Module):
-        params = nnx.state(params, nnx.Param)
-    leaves = jax.tree.flatten_with_path(params)[0]
-    host = jax.device_get([x for _, x in leaves])
-    return {jax.tree_util.keystr(p): np.asarray(x) for (p, _), x in zip(leaves, host)}
-
-
-def _fill(template, flat: dict[str, np.ndarray]):
-    """`template` (a params pytree) with its leaves replaced by flat[path]; names must match."""
-    import jax
-
-    leaves, treedef = jax.tree.flatten_with_path(template)
-    names = [jax.tree_util.keystr(p) for p, _ in leaves]
-    missing = sorted(set(names) - set(flat))
-    extra = sorted(set(flat) - set(names))
-    if missing or extra:
-        raise ValueError(f"params do not match the model: missing {missing[:4]}, extra {extra[:4]}")
-    out = []
-    for name, (_, old) in zip(names, leaves):
-        new = flat[name]
-        if tuple(new.shape) != tuple(old.shape):
-            raise ValueError(f"param {name}: shape {new.shape}, the model has {old.shape}")
-        out.append(new)
-    return jax.tree.unflatten(treedef, out)
-
-
-# ---------------------------------------------------------------------------------------------
-# The child process
-
-
-class _Busy:
-    """Wall time during which at least one generate call runs (the union of intervals)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.active = 0
-        self.since = 0.0
-        self.total = 0.0
-        self.calls = 0
-        self.tokens = 0
-
-    def enter(self):
-        with self.lock:
-            if self.active == 0:
-                self.since = time.perf_counter()
-            self.active += 1
-            self.calls += 1
-
-    def exit(self, tokens: int):
-        with self.lock:
-            self.active -= 1
-            self.tokens += tokens
-            if self.active == 0:
-                self.total += time.perf_counter() - self.since
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            now = self.total + (time.perf_counter() - self.since if self.active else 0.0)
-            return {
-                "busy_s": now,
-                "generate_calls": self.calls,
-                "tokens": self.tokens,
-                "generating": self.active,
-            }
 
 
 def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
@@ -133,11 +54,11 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
     import jax
     from flax import nnx
 
-    from models.transformer import Transformer
+    from models.params import abstract_params
     from rl.rollout.jax_engine import JaxEngine
 
     send_lock = threading.Lock()
-    busy = _Busy()
+    busy = BusyClock()
     install = {"install_s": 0.0, "updates": 0}
 
     def send(*msg):
@@ -155,10 +76,9 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
     except (EOFError, OSError):
         return
     try:
-        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-        graphdef, template = nnx.split(abstract, nnx.Param)
+        graphdef, template = abstract_params(config)
         device = jax.devices()[0]
-        params = jax.tree.map(lambda x: jax.device_put(x, device), _fill(template, flat))
+        params = jax.tree.map(lambda x: jax.device_put(x, device), fill_params(template, flat))
         engine = JaxEngine(nnx.merge(graphdef, params), version=version, **engine_kwargs)
     except BaseException:  # noqa: BLE001 - the parent must hear why the child could not start
         send("ready", False, traceback.format_exc(), None)
@@ -193,11 +113,10 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
             item = updates.get()
             if item is None:
                 return
-            mid, (v, path, new, interrupt) = item
+            mid, (v, path, new) = item
             t0 = time.perf_counter()
             try:
-                tree = None if new is None else _fill(template, new)
-                engine.update_weights(v, path=path, params=tree, interrupt=interrupt)
+                engine.update_weights(v, path if new is None else fill_params(template, new))
             except BaseException:  # noqa: BLE001
                 with order_cv:
                     order["installed"] += 1
@@ -257,7 +176,7 @@ class _Pending:
 
 
 class ProcessEngine:
-    """Engine protocol over a JaxEngine running in a child process pinned to `cores`."""
+    """The engine contract over a JaxEngine running in a child process (pinned to `cores`)."""
 
     def __init__(
         self,
@@ -272,9 +191,10 @@ class ProcessEngine:
         deadline_s: float = 600.0,
         xla_flags: str | None = None,
         name: str = "rollout-0",
+        update_mode: str = "drain",
     ):
         if model is not None:
-            config, params = model.config, flat_params(model)
+            config, params = model.config, Weights.of(model).flat()
         if config is None or params is None:
             raise ValueError("ProcessEngine needs a model, or config= and params= (flat numpy)")
         self.config = config
@@ -282,7 +202,7 @@ class ProcessEngine:
         self.deadline_s = deadline_s
         self.name = name
         self.cores = tuple(cores)
-        self.stats: dict = {"busy_s": 0.0, "generate_calls": 0, "tokens": 0, "install_s": 0.0}
+        self._stats: dict = {"busy_s": 0.0, "generate_calls": 0, "tokens": 0, "install_s": 0.0}
         self.sync_times: list[dict] = []  # per update_weights: flatten, send, install, total
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
@@ -291,7 +211,9 @@ class ProcessEngine:
         self._closed = False
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        kwargs = dict(chunk=chunk, max_batch=max_batch, deadline_s=deadline_s)
+        kwargs = dict(
+            chunk=chunk, max_batch=max_batch, deadline_s=deadline_s, update_mode=update_mode
+        )
         # Spawn arguments stay small: the spawn pipe is written before the child runs, and a
         # child that died while it was full would block Process.start() forever. The params
         # follow over the connection, which fails fast (EPIPE) if the child is gone.
@@ -337,7 +259,7 @@ class ProcessEngine:
                 continue
             mid, ok, value, stats = msg
             if stats:
-                self.stats = stats
+                self._stats = stats
             with self._lock:
                 p = self._pending.pop(mid, None)
             if p is not None:
@@ -406,59 +328,39 @@ class ProcessEngine:
             return []
         return self._wait(self._send("generate", list(requests)), "generate", self.deadline_s)
 
-    def update_weights(
-        self,
-        version: int,
-        path: str | None = None,
-        params=None,
-        *,
-        interrupt: bool = False,
-        on_served=None,
-        on_error=None,
-    ) -> None:
-        """Sends new weights (params tree or HF directory) to the child.
+    def update_weights(self, version: int, weights) -> WeightUpdate:
+        """Sends `weights` to the child; the handle is done once the child serves them.
 
-        Without on_served, returns once the child serves them. With on_served, returns once
-        they are sent (a host copy is taken first, so the caller may donate its buffers) and
-        calls on_served(version) when the child serves them, or on_error(exception) if it
-        cannot (both on the reader thread). Either way later generate() calls use them.
+        A host copy is taken before this returns, so the caller may donate its buffers; later
+        generate() calls are served after the update (the child keeps message order).
         """
-        if params is None and path is None:
-            raise ValueError("update_weights needs params or path")
+        w = Weights.of(weights)
         t0 = time.perf_counter()
-        flat = None if params is None else flat_params(params)
+        flat, path = (w.flat(), None) if w.in_memory() else (None, w.path())
         t1 = time.perf_counter()
         sent = [t1]  # when the send returned (set below; an ack may come first)
         what = f"update_weights to version {version}"
+        handle = WeightUpdate(version)
 
-        def record(install_s: float) -> None:
-            self.version = version
-            self.sync_times.append(
-                {
-                    "flatten_s": t1 - t0,
-                    "send_s": sent[0] - t1,
-                    "install_s": install_s,
-                    "total_s": time.perf_counter() - t0,
-                }
-            )
+        def callback(ok, value):
+            if ok:
+                self.version = version
+                self.sync_times.append(
+                    {
+                        "flatten_s": t1 - t0,
+                        "send_s": sent[0] - t1,
+                        "install_s": value,
+                        "total_s": time.perf_counter() - t0,
+                    }
+                )
+                handle.set_served()
+                return
+            why = self._dead if value is None else f"{self._describe()} failed {what}:\n{value}"
+            handle.set_failed(RolloutProcessError(f"{why} during {what}" if value is None else why))
 
-        callback = None
-        if on_served is not None:
-
-            def callback(ok, value):
-                if ok:
-                    record(value)
-                    on_served(version)
-                    return
-                why = self._dead if value is None else f"{self._describe()} failed {what}:\n{value}"
-                err = RolloutProcessError(f"{why} during {what}" if value is None else why)
-                if on_error is not None:
-                    on_error(err)
-
-        p = self._send("update", (version, path, flat, interrupt), callback)
+        self._send("update", (version, path, flat), callback)
         sent[0] = time.perf_counter()
-        if on_served is None:
-            record(self._wait(p, what, self.deadline_s))
+        return handle
 
     def abort(self) -> None:
         """Makes in-flight and later generate() calls return 'abort' partials, until resume()."""
@@ -474,10 +376,11 @@ class ProcessEngine:
         """Undoes abort()."""
         self._wait(self._send("resume"), "resume", self.deadline_s)
 
-    def refresh_stats(self) -> dict:
-        """The child's counters now (generation busy time, tokens, weight-install time)."""
-        self._wait(self._send("stats"), "stats", self.deadline_s)
-        return self.stats
+    def stats(self) -> dict:
+        """The child's counters now (busy time, tokens, installs, compilations, pid)."""
+        if not self._dead and self.process.is_alive():
+            self._wait(self._send("stats"), "stats", self.deadline_s)
+        return {**self._stats, "sync_s": sum(t["total_s"] for t in self.sync_times)}
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the child: asks, then terminates, then kills; idempotent."""

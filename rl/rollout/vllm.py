@@ -50,8 +50,16 @@ from collections.abc import Sequence
 import numpy as np
 import requests
 
+from rl.metrics import BusyClock
 from rl.param_server import sha256_file
-from rl.rollout.base import Generation, GenerationRequest, SamplingParams
+from rl.rollout.base import (
+    Generation,
+    GenerationRequest,
+    RolloutError,
+    SamplingParams,
+    Weights,
+    WeightUpdate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class VLLMError(RuntimeError):
+class VLLMError(RolloutError):
     """A vLLM host failed, timed out, or refused a request or a weights directory."""
 
 
@@ -402,7 +410,7 @@ class _Segment:
 
 
 class VLLMEngine:
-    """The Engine protocol over N vLLM hosts (least-loaded dispatch, versioned weight reload)."""
+    """The engine contract over N vLLM hosts (least-loaded dispatch, versioned weight reload)."""
 
     def __init__(
         self,
@@ -432,7 +440,11 @@ class VLLMEngine:
         self._cond = threading.Condition()
         self._update_lock = threading.Lock()
         self._paused: str | None = None
+        self._aborted = False  # abort() until resume(): every generation returns 'abort'
         self._abort_epoch = 0
+        self.clock = BusyClock()
+        self.updates = 0
+        self.sync_s = 0.0
         self._rr = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_concurrency, thread_name_prefix="vllm-engine"
@@ -488,16 +500,22 @@ class VLLMEngine:
                 end=time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s),
                 abort_epoch=self._abort_epoch,
             )
-        futures = [self._pool.submit(self._run_request, r, call) for r in requests_]
-        first_error: BaseException | None = None
-        for fut in concurrent.futures.as_completed(futures):
-            err = fut.exception()
-            if err is not None and first_error is None:
-                first_error = err
-                self._cancel(call)  # the others return at once instead of running on
-        if first_error is not None:
-            raise first_error
-        return [f.result() for f in futures]
+        self.clock.enter()
+        out: list[Generation] = []
+        try:
+            futures = [self._pool.submit(self._run_request, r, call) for r in requests_]
+            first_error: BaseException | None = None
+            for fut in concurrent.futures.as_completed(futures):
+                err = fut.exception()
+                if err is not None and first_error is None:
+                    first_error = err
+                    self._cancel(call)  # the others return at once instead of running on
+            if first_error is not None:
+                raise first_error
+            out = [f.result() for f in futures]
+            return out
+        finally:
+            self.clock.exit(sum(len(g.token_ids) for g in out))
 
     def _cancel(self, call: _Call, min_timeout_s: float = 10.0) -> None:
         """Stops one generate() call's requests (and only those) after one of them failed.
@@ -591,7 +609,7 @@ class VLLMEngine:
         slot taken, atomically with reading them), or None if the call was stopped."""
         with self._cond:
             while True:
-                if self._abort_epoch != call.abort_epoch or call.failed:
+                if self._aborted or self._abort_epoch != call.abort_epoch or call.failed:
                     return None
                 if not any(st.healthy for st in self._hosts):
                     detail = f"; errors: {errors}" if errors else ""
@@ -723,8 +741,9 @@ class VLLMEngine:
                 self._cond.wait(timeout=0.05)
 
     def abort(self) -> None:
-        """Makes an in-flight generate() return early with finish_reason 'abort'."""
+        """In-flight and later generate() calls return 'abort' partials until resume()."""
         with self._cond:
+            self._aborted = True
             self._abort_epoch += 1
             self._cond.notify_all()
         self._abort_hosts(timeout_s=self.update_timeout_s)
@@ -747,13 +766,27 @@ class VLLMEngine:
                 self._post(st.host, "/pause?mode=keep")
 
     def resume(self) -> None:
-        """Undoes pause(): frozen requests continue, waiting ones are dispatched."""
+        """Undoes abort() and pause(): frozen requests continue, waiting ones are dispatched."""
         if self._paused == "keep":
             for st in self._hosts:
                 self._post(st.host, "/resume")
         with self._cond:
             self._paused = None
+            self._aborted = False
             self._cond.notify_all()
+
+    def stats(self) -> dict:
+        """Generation busy time, calls, tokens, weight reloads, hosts healthy, pid."""
+        with self._cond:
+            healthy = sum(st.healthy for st in self._hosts)
+        return {
+            **self.clock.snapshot(),
+            "updates": self.updates,
+            "install_s": self.sync_s,
+            "sync_s": self.sync_s,
+            "hosts_healthy": healthy,
+            "pid": os.getpid(),
+        }
 
     def _wait_idle(self, states: Sequence[_HostState], timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
@@ -767,19 +800,15 @@ class VLLMEngine:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def update_weights(self, version: int, path: str | None = None, params=None) -> None:
-        """Reloads every host from the published HF dir `path` and serves it as `version`.
+    def update_weights(self, version: int, weights) -> WeightUpdate:
+        """Reloads every host from the published HF directory of `weights`, as `version`.
 
-        Raises VLLMError (hosts untouched) if the directory fails verify_weights_dir, or if no
-        host loaded it; a host that fails alone is marked unhealthy and left out of dispatch.
-        While paused with 'keep', in-flight requests are aborted (never drained) first.
+        Returns when the hosts serve it. Raises VLLMError (hosts untouched) if the directory
+        fails verify_weights_dir, or if no host loaded it; a host that fails alone is marked
+        unhealthy and left out of dispatch. While paused with 'keep', in-flight requests are
+        aborted (never drained) first.
         """
-        if params is not None or path is None:
-            raise ValueError(
-                "VLLMEngine reloads from a published HF directory: pass path= (an in-memory "
-                "params tree is for the jax engine)"
-            )
-        path = os.path.abspath(path)
+        path = os.path.abspath(Weights.of(weights).path())
         verify_weights_dir(path, version, checksums=self.verify_checksums)
         tied = ties_word_embeddings(path)
         with self._update_lock:
@@ -798,7 +827,10 @@ class VLLMEngine:
             with self._cond:
                 self.version = version
             took = time.monotonic() - t0
+            self.updates += 1
+            self.sync_s += took
             log.info("vLLM hosts serve version %d (%s) after %.2f s", version, path, took)
+        return WeightUpdate.served(version)
 
     def _update_host(self, st: _HostState, version: int, path: str, tied: bool) -> str | None:
         """One host: gate, empty, pause, reload, re-tie, set version, resume. Error or None."""

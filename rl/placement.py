@@ -1,35 +1,20 @@
-"""How rollout and learner talk: the `local` transport's CPU layout.
-
-`local`: which cores the rollout process and the learner get (on GPUs, which devices: see
-trainer.rollout_devices in rl/trainer.py). The `ray` transport (rollout worker actors, episode
-batches in the object store, worker health) is in rl/ray_transport.py.
+"""Where things run: CPU core pinning and the rollout / learner device split.
 
 On a CPU host two JAX computations in threads of one process barely overlap: each one alone
-spreads over every core through XLA's intra-op thread pool. With `trainer.pin_cores` the
-rollout engine runs in its own process pinned to `trainer.rollout_cores` (see
-rl/rollout/process_engine.py) and the learner process is pinned to the other cores (or
-`trainer.learner_cores`), as separate accelerator pools would be. Sync and async runs use the
-same split, so their wall clocks compare like with like. With `trainer.rollout_process` (the
-main job's setting) the rollout engine also runs in its own process but unpinned: the OS
-interleaves it with the learner on every core. Where the learner is the bottleneck that is the
-faster layout (the main job's 40-update recipe on 2 cores: async RL stage 54.4 s shared, 59.7 s
-pinned; README "Async against sync"); pinning pays where both sides have work for their cores.
-
-XLA sizes its thread pool from the cores the process may use when JAX initialises its backend
-(the first `jax.devices()` or computation); pinning later still moves every thread, but the pool
-keeps its size. Without a warm start `Trainer.__init__` pins before its first `jax.devices()`
-(covering `python -m launch.train`); with one, the warm start runs first on every core (no
-rollout process exists yet) and `Trainer.run` pins the learner before it starts the rollout
-process, so the pool's threads share the learner's cores (measured on the main job in async
-mode: the whole job 134.6 s -> 120.5 s, the RL stage 58.0 s -> 59.7 s). `python -m launch.bench
-async` pins first thing. (XLA's `--xla_cpu_multi_thread_eigen=false` on a pinned
-one-core process made no measurable difference here: the pool already has one thread.)
+spreads over every core through XLA's intra-op thread pool. With `trainer.pin_cores` the rollout
+engine runs in its own process pinned to `trainer.rollout_cores` and the learner process is
+pinned to the other cores (or `trainer.learner_cores`), as separate accelerator pools would be.
+XLA sizes its thread pool from the cores the process may use when JAX initialises its backend,
+so pin before the first `jax.devices()` where possible. On a host with several accelerators,
+`trainer.rollout_devices` / `learner_devices` give the rollout engine devices of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+
+from rl import config as C
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +100,39 @@ def pin_threads(cores: tuple[int, ...] | list[int]) -> None:
 def pin_learner(cores: tuple[int, ...] | list[int]) -> None:
     """Pins the learner (this) process to `cores`; call before JAX initialises its backend."""
     pin_threads(cores)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSplit:
+    """The local transport's devices: the rollout engine's and the learner mesh's (disjoint)."""
+
+    rollout: tuple  # jax.Device
+    learner: tuple  # jax.Device
+
+
+def device_split(cfg: C.RunConfig, devices=None) -> DeviceSplit | None:
+    """trainer.rollout_devices / learner_devices resolved on this host; None = no split."""
+    import jax
+
+    t, m = cfg.trainer, cfg.learner.mesh
+    if not t.rollout_devices:
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    for key in ("rollout_devices", "learner_devices"):
+        bad = [i for i in getattr(t, key) if i >= len(devices)]
+        if bad:
+            raise C.ConfigError(
+                f"trainer.{key}: {getattr(t, key)} names device(s) {bad}; this host has "
+                f"{len(devices)} {devices[0].platform} device(s), valid: 0..{len(devices) - 1}"
+            )
+    learner = t.learner_devices or [i for i in range(len(devices)) if i not in t.rollout_devices]
+    n = m.data * m.fsdp * m.tensor
+    if n != len(learner):
+        raise C.ConfigError(
+            f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} uses {n} device(s), but the learner has "
+            f"{len(learner)} (trainer.learner_devices {t.learner_devices or 'empty'} = {learner} "
+            f"beside trainer.rollout_devices {t.rollout_devices}); the mesh must use them all"
+        )
+    return DeviceSplit(
+        tuple(devices[i] for i in t.rollout_devices), tuple(devices[i] for i in learner)
+    )

@@ -1,27 +1,17 @@
-"""The `ray` transport: rollout workers as Ray actors, episode batches in the object store.
+"""The rollout worker pool of the `ray` transport: the engine contract over remote workers.
 
-Each rollout worker is an actor in its own process holding an engine (a JaxEngine, or a
-VLLMEngine over vLLM hosts the worker launches on its node), the task and the tokenizer; it runs
-whole groups (multi-turn episodes, rewards) and `ray.put`s each finished batch as a few flat
-numpy arrays (pack_groups), so episodes cross processes (and hosts) through the shared-memory
-object store, never as pickled Python objects per token. The coordinator and the buffer stay in
-the driver process (the trainer), the same code as with `local`: one dispatcher thread per
-worker slot admits groups, sends them to its actor, and delivers the unpacked groups to the
-buffer. The learner and the parameter server are actors too (rl/ray_learner.py): the learner
-puts each version's flat numpy params into the object store once, and the parameter server has
-every worker install them, in order (vLLM workers: from the HF directory it writes).
+Each worker is an actor in its own process (rl/ray/worker.py) holding an engine, the task and
+the tokenizer; it runs whole groups and `ray.put`s each finished batch as flat numpy arrays
+(rl.types.groups_to_arrays), so episodes cross processes and hosts through the shared-memory
+object store. The driver's dispatchers (rl/dispatch.py, one per worker slot) hand groups to
+`run` and deliver what comes back; weight versions go out through the parameter-server actor
+(rl/ray/param_server.py), which has every worker install them in order.
 
 Health: a dispatcher waits for its batch in short slices and pings its actor (a threaded actor
 answers while it generates; a vLLM worker whose hosts all exited fails the ping); an actor that
-dies (RayActorError), fails a ping, or leaves one unanswered for `health_deadline_s` is killed,
-its in-flight groups go back to the coordinator (requeue: the same group numbers, counted as
-re-dispatched) and a replacement starts with the newest weights, up to `max_restarts`
-replacements per run; past that the run fails with an error naming the worker, its pid and its
-log file. vLLM hosts get SIGTERM when their worker's process dies, so none is orphaned.
-
-The worker actor itself is in rl/ray_worker.py. The `local` transport (CPU core split) is in
-rl/transport.py; this module is imported only when trainer.transport is 'ray' (ray itself is
-imported lazily, inside the functions).
+dies, fails a ping, or leaves one unanswered for `health_deadline_s` raises WorkerLost, and
+`replace` kills it and starts a replacement on the newest weights, up to `max_restarts` per
+run; past that the run fails with an error naming the worker, its pid and its log file.
 """
 
 from __future__ import annotations
@@ -34,38 +24,15 @@ import time
 
 import numpy as np
 
-from rl.ray_learner import ParamServerActor
-from rl.ray_worker import RolloutActor
+from rl.ray.cluster import connect, first_line
+from rl.ray.param_server import ParamServerActor
+from rl.ray.worker import RolloutActor
+from rl.rollout.base import RolloutError, Weights, WeightUpdate, WorkerLost
+from rl.types import arrays_nbytes, groups_from_arrays
 
 
-def connect(address: str = "", need_cpus: float = 1.0) -> bool:
-    """Joins the Ray cluster at `address` (or RAY_ADDRESS), else starts a local one.
-
-    Returns True if this call started Ray (the caller shuts it down), False if Ray was already
-    initialised in this process. A local cluster gets at least this host's CPUs and need_cpus.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS", "")
-    if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, int(np.ceil(need_cpus))),
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-    return True
-
-
-class RolloutWorkerError(RuntimeError):
+class RolloutWorkerError(RolloutError):
     """A rollout worker failed past the restart limit, or raised inside its rollout."""
-
-
-class WorkerLost(RuntimeError):
-    """A rollout worker died or stopped answering (its work is re-dispatched)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,80 +49,6 @@ class RayOptions:
     log_dir: str = ""  # each worker's stdout/stderr go to <log_dir>/<name>.log
 
 
-_GROUP_KEYS = ("group_id", "dispatch_version", "group_size")
-_TOKEN_KEYS = (("tokens", np.int32), ("loss_mask", np.int8))
-_TOKEN_KEYS += (("behavior_logp", np.float32), ("versions", np.int32))
-
-
-def pack_groups(groups) -> dict:
-    """Episode groups as flat numpy arrays: per-token arrays concatenated, per-episode columns.
-
-    Strings (problem ids, finish reasons, completion texts) are per episode, never per token.
-    """
-    eps = [e for g in groups for e in g.episodes]
-    out = {
-        "group_id": np.array([g.group_id for g in groups], np.int64),  # [G]
-        "dispatch_version": np.array([g.dispatch_version for g in groups], np.int64),  # [G]
-        "group_size": np.array([len(g.episodes) for g in groups], np.int64),  # [G]
-        "group_problem_id": [g.problem_id for g in groups],
-        "length": np.array([len(e.tokens) for e in eps], np.int64),  # [E]
-        "prompt_len": np.array([e.prompt_len for e in eps], np.int64),
-        "reward": np.array([e.reward for e in eps], np.float64),
-        "correct": np.array([e.correct for e in eps], bool),
-        "formatted": np.array([e.formatted for e in eps], bool),
-        "num_turns": np.array([e.num_turns for e in eps], np.int64),
-        "problem_id": [e.problem_id for e in eps],
-        "finish_reason": [e.finish_reason for e in eps],
-        "completion_text": [e.completion_text for e in eps],
-    }
-    for name, dtype in _TOKEN_KEYS:  # [sum of lengths]
-        parts = [getattr(e, name) for e in eps]
-        out[name] = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-    return out
-
-
-def unpack_groups(batch: dict) -> list:
-    """The EpisodeGroups of a pack_groups batch (arrays copied out of the object store)."""
-    from rl.types import Episode, EpisodeGroup
-
-    ends = np.cumsum(batch["length"])
-    starts = ends - batch["length"]
-    eps = []
-    for i in range(len(batch["length"])):
-        sl = slice(int(starts[i]), int(ends[i]))
-        eps.append(
-            Episode(
-                problem_id=batch["problem_id"][i],
-                **{name: batch[name][sl] for name, _ in _TOKEN_KEYS},
-                prompt_len=int(batch["prompt_len"][i]),
-                reward=float(batch["reward"][i]),
-                correct=bool(batch["correct"][i]),
-                formatted=bool(batch["formatted"][i]),
-                finish_reason=batch["finish_reason"][i],
-                num_turns=int(batch["num_turns"][i]),
-                completion_text=batch["completion_text"][i],
-            )
-        )
-    groups, k = [], 0
-    for j in range(len(batch["group_id"])):
-        n = int(batch["group_size"][j])
-        groups.append(
-            EpisodeGroup(
-                int(batch["group_id"][j]),
-                batch["group_problem_id"][j],
-                tuple(eps[k : k + n]),
-                int(batch["dispatch_version"][j]),
-            )
-        )
-        k += n
-    return groups
-
-
-def batch_nbytes(batch: dict) -> int:
-    """Bytes of a packed batch's numpy arrays."""
-    return sum(v.nbytes for v in batch.values() if isinstance(v, np.ndarray))
-
-
 @dataclasses.dataclass
 class _Worker:
     name: str
@@ -165,8 +58,8 @@ class _Worker:
     log: str = ""
 
 
-class RayRollout:
-    """Rollout worker actors behind the Engine protocol (plus group-level `run` for the trainer).
+class WorkerPool:
+    """Rollout worker actors behind the engine contract, plus group-level `run` / `replace`.
 
     Starts a local Ray cluster unless `options.address` names one (and shuts down only a
     cluster it started). `version` is the newest version sent to the workers.
@@ -174,7 +67,8 @@ class RayRollout:
 
     def __init__(
         self,
-        source,
+        weights: Weights,
+        config,
         *,
         version: int,
         task: dict,
@@ -191,12 +85,10 @@ class RayRollout:
         tokenizer_dir, keep, hf_overrides)."""
         import ray
 
-        from rl.rollout.process_engine import flat_params
-
         self.options = options
         self.version = version
         self.call_deadline_s = call_deadline_s
-        self.config = source.config
+        self.config = config
         self.task = dict(task)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.vllm = {k: v for k, v in (vllm or {}).items() if k != "hf"} if vllm else None
@@ -214,10 +106,7 @@ class RayRollout:
             max_restarts=0,
         )
         self._lock = threading.Lock()
-        # A RemoteLearner's weights were put by the learner process; a model's are put here.
-        self.weights_ref = (
-            source.weights() if hasattr(source, "weights") else ray.put(flat_params(source))
-        )
+        self.weights_ref = Weights.of(weights).ref()
         self.restarts = 0
         self.lost: list[str] = []  # why each lost worker was lost
         self.batches = 0  # episode batches received through the object store
@@ -248,14 +137,9 @@ class RayRollout:
 
     # -- workers --------------------------------------------------------------------------
     @property
-    def num_workers(self) -> int:
+    def slots(self) -> int:
         """Worker slots (each slot has one live actor, replaced when it is lost)."""
         return len(self.workers)
-
-    @property
-    def pid(self) -> int:
-        """Process id of worker 0 (the benchmark reads its CPU time)."""
-        return self.workers[0].pid
 
     def pids(self) -> list[int]:
         """Process ids of the current workers."""
@@ -361,8 +245,8 @@ class RayRollout:
             raise RolloutWorkerError(f"{self.describe(slot)} raised:\n{e}") from e
         with self._lock:
             self.batches += 1
-            self.batch_bytes += batch_nbytes(batch)
-        return unpack_groups(batch)
+            self.batch_bytes += arrays_nbytes(batch)
+        return groups_from_arrays(batch)
 
     def _await(self, handle, ref, stopped=lambda: False):
         """ray.get(ref) of a call on `handle`, pinging the worker meanwhile; None once stopped().
@@ -393,7 +277,7 @@ class RayRollout:
                     except ray.exceptions.RayActorError as e:
                         raise WorkerLost(f"died ({type(e).__name__})") from e
                     except ray.exceptions.RayTaskError as e:  # e.g. its vLLM hosts exited
-                        raise WorkerLost(f"failed a health check: {_first_line(e)}") from e
+                        raise WorkerLost(f"failed a health check: {first_line(e)}") from e
                     ping, last_answer = None, now
                 elif now - ping_t > deadline:
                     raise WorkerLost(f"did not answer a health check within {deadline:g}s")
@@ -409,7 +293,7 @@ class RayRollout:
         try:
             ray.get(self.workers[slot].handle.ping.remote(), timeout=self.options.health_deadline_s)
         except ray.exceptions.RayError as e:
-            return _first_line(e)
+            return first_line(e)
         return ""
 
     def _kill(self, handle) -> None:
@@ -420,7 +304,7 @@ class RayRollout:
         except Exception:  # noqa: BLE001 - already dead
             pass
 
-    # -- Engine protocol ------------------------------------------------------------------
+    # -- the engine contract ----------------------------------------------------------------
     def generate(self, requests: list) -> list:
         """Completes requests, split in contiguous chunks over the workers."""
         import ray
@@ -450,64 +334,25 @@ class RayRollout:
                     raise RolloutWorkerError(f"{self.describe(slot)} failed generate: {e}") from e
         return out
 
-    def update_weights(
-        self,
-        version: int,
-        path: str | None = None,
-        params=None,
-        *,
-        ref=None,
-        interrupt: bool = False,
-        on_served=None,
-        on_error=None,
-    ) -> None:
-        """Publishes `version` through the parameter server actor: every worker installs it.
+    def update_weights(self, version: int, weights) -> WeightUpdate:
+        """Publishes `version` through the parameter-server actor: every worker installs it.
 
-        The weights are `ref` (flat numpy params already in the object store, e.g. put by the
-        learner actor) or `params` (put here, once). Without on_served, returns when every
-        live worker serves `version`. With on_served, returns once the weights are handed on
-        and calls on_served(version) when every worker serves them (on_error(exception) if that
-        fails), as ProcessEngine does. A worker lost meanwhile is replaced by its dispatcher,
-        on the newest weights.
+        The weights go into the object store once (Weights.ref: a RemoteLearner's are put by
+        the learner process). The handle is done when every live worker serves `version`; a
+        worker lost meanwhile is replaced by its dispatcher, on the newest weights.
         """
-        import ray
-
-        from rl.rollout.process_engine import flat_params
-
-        if (params is None) == (ref is None):
-            raise ValueError("RayRollout.update_weights needs params or ref (HF paths: no)")
         t0 = time.perf_counter()
-        if ref is None:
-            flat = flat_params(params)
-            t1 = time.perf_counter()
-            ref = ray.put(flat)
-        else:
-            t1 = t0
+        ref = Weights.of(weights).ref()
+        t1 = time.perf_counter()
         if not self.vllm:  # a replacement started from now on gets these weights (vLLM: the
             with self._lock:  # directory the parameter server writes, once it is written)
                 self.weights_ref, self.version = ref, version
-        done = threading.Event()
-        result: dict = {}
-
-        def served(v):
-            done.set()
-            if on_served is not None:
-                on_served(v)
-
-        def failed(e):
-            result["error"] = e
-            done.set()
-            if on_error is not None:
-                on_error(e)
-
+        handle = WeightUpdate(version)
         if self._updater is None:
             self._updater = threading.Thread(target=self._update_loop, daemon=True)
             self._updater.start()
-        self._updates.put((version, ref, interrupt, (t0, t1, time.perf_counter()), served, failed))
-        if on_served is None:
-            done.wait()
-            if "error" in result:
-                raise result["error"]
+        self._updates.put((version, ref, (t0, t1, time.perf_counter()), handle))
+        return handle
 
     def _update_loop(self) -> None:
         """Has the parameter server publish queued versions to the workers, one at a time."""
@@ -517,14 +362,12 @@ class RayRollout:
             item = self._updates.get()
             if item is None:
                 return
-            version, ref, interrupt, (t0, t1, t2), served, failed = item
+            version, ref, (t0, t1, t2), handle = item
             try:
                 with self._lock:
                     handles = [w.handle for w in self.workers]
                 deadline = self.call_deadline_s
-                call = self.param_server.publish.remote(
-                    version, [ref], handles, interrupt, deadline
-                )
+                call = self.param_server.publish.remote(version, [ref], handles, deadline)
                 out = ray.get(call, timeout=deadline + 30)
                 while self.vllm:  # replacements started meanwhile on the previous directory
                     with self._lock:
@@ -533,9 +376,7 @@ class RayRollout:
                     if not missed:
                         break
                     handles += missed
-                    call = self.param_server.publish.remote(
-                        version, [ref], missed, interrupt, deadline
-                    )
+                    call = self.param_server.publish.remote(version, [ref], missed, deadline)
                     out = ray.get(call, timeout=deadline + 30)
                 self.sync_times.append(
                     {
@@ -546,9 +387,10 @@ class RayRollout:
                     }
                 )
             except BaseException as e:  # noqa: BLE001 - the learner hears of it
-                failed(RolloutWorkerError(f"weight update to version {version} failed: {e!r}"))
+                err = RolloutWorkerError(f"weight update to version {version} failed: {e!r}")
+                handle.set_failed(err)
                 continue
-            served(version)
+            handle.set_served()
 
     def _all(self, method: str, timeout: float) -> list:
         import ray
@@ -571,23 +413,23 @@ class RayRollout:
         """Undoes abort()."""
         self._all("resume", timeout=self.call_deadline_s)
 
-    def refresh_stats(self) -> dict:
-        """Counters summed over the live workers (busy_s, tokens, traces, install_s)."""
-        out: dict = {"busy_s": 0.0, "tokens": 0, "traces": 0, "install_s": 0.0, "updates": 0}
+    def stats(self) -> dict:
+        """Counters summed over the live workers, plus the pool's own (workers, restarts, ...)."""
+        keys = ("busy_s", "tokens", "generate_calls", "traces", "install_s", "updates")
+        out: dict = dict.fromkeys(keys, 0)
         for s in self._all("stats", timeout=self.call_deadline_s):
-            for k in out:
+            for k in keys:
                 out[k] += (s or {}).get(k, 0)
+        out.update(
+            pid=self.workers[0].pid,
+            sync_s=sum(t["total_s"] for t in self.sync_times),
+            workers=len(self.workers),
+            restarts=self.restarts,
+            workers_lost=len(self.lost),
+            batches=self.batches,
+            batch_mbytes=self.batch_bytes / 1e6,
+        )
         return out
-
-    def metrics(self) -> dict[str, float]:
-        """Transport counters for the metrics row."""
-        return {
-            "rollout/workers": float(len(self.workers)),
-            "rollout/restarts": float(self.restarts),
-            "rollout/workers_lost": float(len(self.lost)),
-            "transport/batches": float(self.batches),
-            "transport/batch_mbytes": self.batch_bytes / 1e6,
-        }
 
     def close(self) -> None:
         """Kills the workers; shuts Ray down if this object started it. Idempotent."""
@@ -607,42 +449,64 @@ class RayRollout:
             ray.shutdown()
 
 
-def _first_line(e: BaseException) -> str:
-    """The innermost cause of a Ray error, on one line."""
-    cause = getattr(e, "cause", None) or e
-    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause) else ''}"
-
-
-_STATS_LOCK = threading.Lock()  # dispatcher threads add to one stats dict
-
-
-def ray_rollout_loop(pool, slot, coord, buffer, work, sampling, stats, max_groups, deadline):
-    """A dispatcher thread of worker `slot`: admit groups, run them on the actor, deliver.
-
-    `work(admitted)` turns [(group, version)] into [(group, version, problem, seeds)]. Work of a
-    lost worker goes back to the coordinator (same group numbers, counted as re-dispatched) and
-    the slot gets a replacement; any other failure reaches the learner through buffer.fail.
-    """
-    try:
-        while True:
-            admitted = coord.admit(max_groups, timeout=deadline)
-            if not admitted:
-                return
-            t0 = time.perf_counter()
-            try:
-                groups = pool.run(slot, work(admitted), sampling, stopped=lambda: coord.stopped)
-            except WorkerLost as e:
-                if coord.stopped:
-                    return
-                lost = [g for g, _ in admitted]
-                pool.replace(slot, str(e), on_started=lambda lost=lost: coord.requeue(lost))
-                continue
-            if groups is None or coord.stopped:
-                return
-            with _STATS_LOCK:
-                stats["generate_time"] += time.perf_counter() - t0
-                stats["tokens"] += sum(e.num_generated for g in groups for e in g.episodes)
-            for g in groups:
-                buffer.put(g)
-    except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
-        buffer.fail(e)
+def worker_pool(
+    cfg,
+    weights: Weights,
+    model_config,
+    *,
+    version: int,
+    run_dir: str,
+    tokenizer_dir: str,
+    tokenizer,
+    cores: tuple[int, ...] = (),
+) -> WorkerPool:
+    """The run's rollout workers (trainer.ray, rollout.*) serving `weights` as `version`."""
+    r, v = cfg.trainer.ray, cfg.rollout.vllm
+    opts = RayOptions(
+        address=r.address,
+        num_workers=r.num_workers,
+        cpus=r.worker_cpus,
+        gpus=r.worker_gpus,
+        health_deadline_s=r.health_deadline_s,
+        max_restarts=r.max_restarts,
+        cores=tuple(cores),
+        log_dir=os.path.abspath(os.path.join(run_dir, "logs")),
+    )
+    vllm = None
+    if cfg.rollout.engine == "vllm":  # what each worker launches, and the HF publication
+        vllm = {
+            "num_hosts": v.num_hosts,
+            "host": v.host,
+            "enforce_eager": v.enforce_eager,
+            "seed": cfg.seed,
+            "extra_args": list(v.extra_args),
+            "ready_timeout_s": v.ready_timeout_s,
+            "update_mode": cfg.trainer.partial,
+            "request_timeout_s": v.request_timeout_s,
+            "deadline_s": cfg.trainer.deadline_s,
+            "hf": {
+                "weights_dir": os.path.join(os.path.abspath(run_dir), "weights"),
+                "config": model_config,
+                "tokenizer_dir": os.path.abspath(tokenizer_dir),
+                "keep": 3,
+                "hf_overrides": {
+                    "eos_token_id": tokenizer.eos_id,
+                    "pad_token_id": tokenizer.pad_id,
+                },
+            },
+        }
+    return WorkerPool(
+        weights,
+        model_config,
+        version=version,
+        task={"name": cfg.task.name, "seed": cfg.task.seed, "options": dict(cfg.task.options)},
+        tokenizer_dir=tokenizer_dir,
+        options=opts,
+        engine_kwargs={
+            "max_batch": cfg.rollout.batch_size,
+            "deadline_s": cfg.trainer.deadline_s,
+            "update_mode": cfg.trainer.partial,
+        },
+        call_deadline_s=cfg.trainer.deadline_s,
+        vllm=vllm,
+    )

@@ -1,45 +1,7 @@
 """python -m launch.bench async: the real trainer, synchronous vs fully async, same samples.
 
-Both runs use one config (the --preset model, tiny by default, bfloat16 compute by default, the
-long-tailed synthetic task `longtail`, no supervised stage, trainer.pin_cores: the rollout engine
-in a child process pinned to --rollout-cores, this learner process pinned to the remaining cores),
-so they compare like with like. The sync run (eta 0) gives
-  G  generation busy time, measured inside the rollout process (union of generate calls), and
-  T  learner busy time: train step + weight sync (timing/train_step + the time from the
-     learner's update_weights call to the rollout process serving the weights),
-and the ideal async bound (G + T) / max(G, T): generation and training fully overlapped.
-The async run uses max_staleness --eta and the --partial policy (drain, continue, or both).
-
-Timing is steady state: the first W = eta + 1 updates (compilation, pipeline fill) are
-excluded in every run, and sync_s / async_s is the wall time from the completion of update W
-to the completion of update W + K (K = --updates), so each covers K updates of
-prompts * group samples. G and T are summed over the same window of the sync run. Before each
-run the rollout process compiles every generation-length bucket of the task, so a rare long
-batch does not compile inside the window, and all runs share a persistent compilation cache.
-The final update (with its evaluation) is outside the window. With --repeats R the rounds
-(sync, then async) alternate, so a change in machine load hits both modes; each round gives its
-own speedup and ideal (from its own sync run), and the RESULT holds the medians over rounds.
-Each run also reports the CPU time each process got while busy (cpu/busy): well below 100% means
-other processes on the machine took its core, and the run measured the machine, not the overlap.
-
-With --rollout-devices (a host with several accelerators, e.g. two GPUs) the split is by device
-instead of by core: the rollout is an in-process JaxEngine on those devices (weights moved device
-to device by jax.device_put), the learner's mesh (data parallel) holds --learner-devices (default:
-the other devices), nothing is pinned, and cpu/busy reads n/a (one process). G is then the wall
-time during which the engine has a batch running.
-
---transport picks how rollout and learner talk: `local` (the rollout process is a pinned child
-over a pipe), `ray` (one rollout worker actor pinned to the same cores, the learner an actor
-pinned to the learner's cores, the parameter server an actor; weights and episode batches
-through the Ray object store; this process keeps the coordinator and buffer), or `local,ray`: both
-on the same workload, round by round, with `overhead_sync` and `overhead_async` = ray wall time
-/ local wall time over the same window.
-
-Prints per-run figures (with the load average at each run's start), then `RESULT sync_s=...
-async_s=... speedup=... ideal=... frac_of_ideal=... G_s=... T_s=...` (the first --transport and
---partial; the other partials add suffixed keys, a second transport adds `_ray` keys and the
-overheads).
-"""
+Why: how close fully-async RL comes to its ideal speedup (G + T) / max(G, T) over synchronous
+RL, on the trainer that training uses (the method: main's docstring)."""
 
 from __future__ import annotations
 
@@ -53,7 +15,8 @@ import sys
 import tempfile
 import time
 
-from rl.transport import core_split, pin_learner
+from launch.benches.common import PRESETS, print_result
+from rl.placement import core_split, pin_learner
 
 
 @dataclasses.dataclass
@@ -72,7 +35,7 @@ class RunTiming:
     total_s: float  # the whole RL loop, fill and final update included
     staleness_max: float
     partial_ratio: float
-    weight_transfer_s: float  # mean ProcessEngine.update_weights total (flatten+send+install)
+    weight_transfer_s: float  # mean weight update of the run, end to end (stats() sync_s)
     learner_cpu_s: float  # CPU time of the learner's process in the window, all threads
     new_shapes: int  # generation programs the rollout process traced (compiled) in the window
     rollout_cpu_s: float  # CPU time of the rollout process in the window
@@ -133,12 +96,12 @@ def _warm_engine(engine, trainer, args) -> None:
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
-    from rl.rollout.jax_engine import LEN_BUCKETS, _bucket
+    from rl.rollout.jax_engine import LEN_BUCKETS, length_bucket
 
     prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
     rows = args.prompts * args.group
-    lo = _bucket(args.min_tokens, LEN_BUCKETS)
-    hi = _bucket(args.max_tokens, LEN_BUCKETS)
+    lo = length_bucket(args.min_tokens, LEN_BUCKETS)
+    hi = length_bucket(args.max_tokens, LEN_BUCKETS)
     prev = 0
     for b in LEN_BUCKETS:
         if lo <= b <= hi:
@@ -167,64 +130,52 @@ def run_once(
     cfg = C.load(None, over + [f"run_root={run_root}", name])
     trainer = Trainer(cfg)
     engines: list = []
-    make_engine = trainer.make_engine
+    snaps: dict[int, dict] = {}
+    rows: dict[int, dict] = {}
 
-    def make_and_warm():
-        engine = make_engine()
+    def on_engine(engine) -> None:  # before the first evaluation: compile every length bucket
         engines.append(engine)
         _warm_engine(engine, trainer, args)
-        return engine
 
-    trainer.make_engine = make_and_warm
-    snaps: dict[int, dict] = {}
-    log = trainer.writer.log
+    def on_update(version: int, row: dict) -> None:  # the engine's counters as of this update
+        now = time.perf_counter()
+        stats = engines[0].stats()
+        pid = stats["pid"]  # an in-process engine's CPU time is not its own: n/a
+        learner_pid = trainer.learner.pid if trainer.remote else os.getpid()
+        snaps[version] = dict(
+            stats,
+            now=now,
+            learner_cpu=_cpu_seconds(learner_pid),
+            rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
+        )
+        rows[version] = dict(row)
 
-    def log_with_busy(step, version, row):  # the child's counters as of this update's sync
-        if engines:
-            now = time.perf_counter()
-            pid = engines[0].pid  # an in-process engine's CPU time is not its own: n/a
-            learner_pid = trainer.learner.pid if trainer.remote else os.getpid()
-            snaps[step] = dict(
-                engines[0].refresh_stats(),
-                now=now,
-                learner_cpu=_cpu_seconds(learner_pid),
-                rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
-            )
-        return log(step, version, row)
-
-    trainer.writer.log = log_with_busy
-    summary = trainer.run()
-    rows = {}
-    with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            rows[r["step"]] = r
+    summary = trainer.run(on_engine=on_engine, on_update=on_update)
     w0, w1 = args.warmup, args.warmup + args.updates
     window = [rows[v] for v in range(w0 + 1, w1 + 1)]
-    sync_times = engines[0].sync_times if engines else []
+    first, last = snaps[w0], snaps[w1]
+    final = snaps[max(snaps)]  # the last update's counters: every weight update of the run
     return RunTiming(
         mode=mode,
         partial=partial,
         transport=transport,
-        wall_s=snaps[w1]["now"] - snaps[w0]["now"],
-        gen_busy_s=snaps[w1]["busy_s"] - snaps[w0]["busy_s"],
+        wall_s=last["now"] - first["now"],
+        gen_busy_s=last["busy_s"] - first["busy_s"],
         train_s=sum(r["timing/train_step"] for r in window),
         sync_s=sum(r["timing/weight_sync"] for r in window),
         transfer_s=(  # full transfer, from the call to the served ack
-            sum(t["total_s"] for t in sync_times[w0:w1])
-            if len(sync_times) >= w1
+            last["sync_s"] - first["sync_s"]
+            if final["updates"] >= w1
             else sum(r["timing/weight_sync"] for r in window)
         ),
         wait_s=sum(r["timing/wait_data"] for r in window),
         total_s=summary["time/total"],
         staleness_max=max(r.get("staleness/max", 0.0) for r in window),
         partial_ratio=sum(r["partial/ratio"] for r in window) / len(window),
-        weight_transfer_s=(
-            sum(s["total_s"] for s in sync_times) / len(sync_times) if sync_times else 0.0
-        ),
-        learner_cpu_s=snaps[w1]["learner_cpu"] - snaps[w0]["learner_cpu"],
-        new_shapes=snaps[w1]["traces"] - snaps[w0]["traces"],
-        rollout_cpu_s=snaps[w1]["rollout_cpu"] - snaps[w0]["rollout_cpu"],
+        weight_transfer_s=final["sync_s"] / final["updates"] if final["updates"] else 0.0,
+        learner_cpu_s=last["learner_cpu"] - first["learner_cpu"],
+        new_shapes=last.get("traces", 0) - first.get("traces", 0),
+        rollout_cpu_s=last["rollout_cpu"] - first["rollout_cpu"],
     )
 
 
@@ -300,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         default="tiny",
-        choices=("tiny", "qwen2_0p5b", "qwen2_1p5b"),
+        choices=PRESETS,
         help="model shape (random init; a GPU needs more than tiny to keep both sides busy)",
     )
     p.add_argument(
@@ -336,7 +287,50 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs sync then async on the same workload; prints the figures and a RESULT line."""
+    """Runs sync then async on the same workload; prints the figures and a RESULT line.
+
+    Both runs use one config (the --preset model, tiny by default, bfloat16 compute by default, the
+    long-tailed synthetic task `longtail`, no supervised stage, trainer.pin_cores: the rollout
+    engine in a child process pinned to --rollout-cores, this learner process pinned to the
+    remaining cores), so they compare like with like. The sync run (eta 0) gives
+      G  generation busy time, measured inside the rollout process (union of generate calls), and
+      T  learner busy time: train step + weight sync (timing/train_step + the time from the
+         learner's update_weights call to the rollout process serving the weights),
+    and the ideal async bound (G + T) / max(G, T): generation and training fully overlapped. The
+    async run uses max_staleness --eta and the --partial policy (drain, continue, or both).
+
+    Timing is steady state: the first W = eta + 1 updates (compilation, pipeline fill) are excluded
+    in every run, and sync_s / async_s is the wall time from the completion of update W to the
+    completion of update W + K (K = --updates), so each covers K updates of prompts * group samples.
+    G and T are summed over the same window of the sync run (differences of the engine's
+    cumulative stats() taken at updates W and W + K). Once the rollout engine is built (the
+    trainer's on_engine hook, before the first evaluation) it compiles every generation-length
+    bucket of the task, so a rare long batch does not compile inside the window, and all runs
+    share a persistent compilation cache. The final update (with its
+    evaluation) is outside the window. With --repeats R the rounds (sync, then async) alternate, so
+    a change in machine load hits both modes; each round gives its own speedup and ideal (from its
+    own sync run), and the RESULT holds the medians over rounds. Each run also reports the CPU time
+    each process got while busy (cpu/busy): well below 100% means other processes on the machine
+    took its core, and the run measured the machine, not the overlap.
+
+    With --rollout-devices (a host with several accelerators, e.g. two GPUs) the split is by device
+    instead of by core: the rollout is an in-process JaxEngine on those devices (weights moved
+    device to device by jax.device_put), the learner's mesh (data parallel) holds --learner-devices
+    (default: the other devices), nothing is pinned, and cpu/busy reads n/a (one process). G is then
+    the wall time during which the engine has a batch running.
+
+    --transport picks how rollout and learner talk: `local` (the rollout process is a pinned child
+    over a pipe), `ray` (one rollout worker actor pinned to the same cores, the learner an actor
+    pinned to the learner's cores, the parameter server an actor; weights and episode batches
+    through the Ray object store; this process keeps the coordinator and buffer), or `local,ray`:
+    both on the same workload, round by round, with `overhead_sync` and `overhead_async` = ray wall
+    time / local wall time over the same window.
+
+    Prints per-run figures (with the load average at each run's start), then `RESULT sync_s=...
+    async_s=... speedup=... ideal=... frac_of_ideal=... G_s=... T_s=...` (the first --transport and
+    --partial; the other partials add suffixed keys, a second transport adds `_ray` keys and the
+    overheads).
+    """
     args = _parser().parse_args(argv)
     partials = ["drain", "continue"] if args.partial == "both" else [args.partial]
     if any(x not in ("drain", "continue") for x in partials):
@@ -452,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     result["load1"] = float(_loadavg().split()[0])
-    print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+    print_result(result, digits=4)
     return 0
 
 

@@ -1,8 +1,8 @@
 """The rollout worker actor of the `ray` transport: one process with an engine, task, tokenizer.
 
-An engine is a JaxEngine on the flat numpy params the parameter server sends, or a VLLMEngine
+Its engine is a JaxEngine on the flat numpy params the parameter server sends, or a VLLMEngine
 over vLLM servers this worker launches on its node (they die with it) and reloads from the HF
-directories the parameter server writes. RayRollout (rl/ray_transport.py) starts, health-checks
+directories the parameter server writes. The worker pool (rl/ray/pool.py) starts, health-checks
 and replaces these actors; this module is what runs inside them.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import time
 
-from rl.ray_learner import redirect_output
-from rl.transport import pin_threads
+from rl.placement import pin_threads
+from rl.ray.cluster import redirect_output
 
 
 class RolloutActor:
     """A rollout worker process: a JaxEngine plus the task and tokenizer; runs whole groups.
 
-    Wrapped with ray.remote by RayRollout (threaded: pings, aborts and weight updates are
+    Wrapped with ray.remote by the WorkerPool (threaded: pings, aborts and weight updates are
     answered while a rollout generates).
     """
 
@@ -44,41 +44,36 @@ class RolloutActor:
         import jax
         from flax import nnx
 
+        from models.params import abstract_params, fill_params
         from models.tokenizer import load_tokenizer
-        from models.transformer import Transformer
         from rl.rollout.jax_engine import JaxEngine
-        from rl.rollout.process_engine import _Busy, _fill
         from rl.tasks import get_task
 
-        self._fill = _fill
+        self.hosts = []  # the vLLM servers this worker launched (they die with it)
         if vllm is not None:  # vLLM hosts on this node; `weights` is a published HF directory
             self.engine = _launch_vllm(name, weights, version, vllm, log_path)
+            self.hosts = self.engine.hosts
         else:  # a JAX sampler; `weights` are flat numpy params from the object store
-            abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
-            self.graphdef, self.template = nnx.split(abstract, nnx.Param)
+            graphdef, template = abstract_params(model_config)
             device = jax.devices()[0]
             params = jax.tree.map(
-                lambda x: jax.device_put(x, device), _fill(self.template, weights)
+                lambda x: jax.device_put(x, device), fill_params(template, weights)
             )
-            self.engine = JaxEngine(
-                nnx.merge(self.graphdef, params), version=version, **engine_kwargs
-            )
+            self.engine = JaxEngine(nnx.merge(graphdef, params), version=version, **engine_kwargs)
         self.task = get_task(task["name"], seed=task["seed"], **task["options"])
         tok_dir = tempfile.mkdtemp(prefix=f"tandem-{name}-tok-")
         for fname, data in tokenizer_files.items():
             with open(os.path.join(tok_dir, fname), "wb") as f:
                 f.write(data)
         self.tokenizer = load_tokenizer(tok_dir)
-        self.busy = _Busy()
         self.closing = False
-        self.install = {"install_s": 0.0, "updates": 0}
         print(f"{name}: pid {os.getpid()}, cores {sorted(os.sched_getaffinity(0))}", flush=True)
 
     def info(self) -> dict:
         """pid, node, cores and log path of this worker."""
         import ray
 
-        hosts = getattr(self.engine, "hosts", [])  # a vLLM worker's servers
+        hosts = self.hosts
         return {
             "pid": os.getpid(),
             "session": os.getsid(0),
@@ -93,7 +88,7 @@ class RolloutActor:
 
         Raises if every vLLM host of this worker has exited (the worker is then replaced).
         """
-        hosts = getattr(self.engine, "hosts", None)
+        hosts = self.hosts
         if hosts and all(h.exit_code() is not None for h in hosts):
             raise RuntimeError(
                 "every vLLM host of this worker exited: "
@@ -104,63 +99,31 @@ class RolloutActor:
     def rollout(self, items: list, sampling) -> list:
         """Runs groups [(group id, published version, problem, seeds)]; returns [ObjectRef].
 
-        The one ObjectRef holds the finished groups as pack_groups arrays, put into the object
-        store by this process.
+        The one ObjectRef holds the finished groups as flat arrays (rl.types.groups_to_arrays),
+        put into the object store by this process.
         """
         import ray
 
-        from rl.agent import run_episodes
-        from rl.ray_transport import pack_groups
-        from rl.types import EpisodeGroup
+        from rl.agent import run_groups
+        from rl.types import groups_to_arrays
 
-        problems, seeds = [], []
-        for _, _, p, s in items:
-            problems += [p] * len(s)
-            seeds += list(s)
-        self.busy.enter()
-        tokens = 0
         try:
-            eps = run_episodes(
-                self.engine, self.task, self.tokenizer, problems, sampling, seeds=seeds
-            )
-            tokens = sum(e.num_generated for e in eps)
+            groups = run_groups(self.engine, self.task, self.tokenizer, items, sampling)
         except Exception:
             if self.closing:  # shutdown() closed the engine under it: nobody reads this
                 return []
             raise
-        finally:
-            self.busy.exit(tokens)
-        groups, k = [], 0
-        for g, v, p, s in items:
-            groups.append(EpisodeGroup(g, p.id, tuple(eps[k : k + len(s)]), v))
-            k += len(s)
-        return [ray.put(pack_groups(groups))]
+        return [ray.put(groups_to_arrays(groups))]
 
     def generate(self, requests: list) -> list:
-        """Engine.generate on this worker (evaluation, warm-up)."""
-        self.busy.enter()
-        gens = []
-        try:
-            gens = self.engine.generate(requests)
-        finally:
-            self.busy.exit(sum(len(g.token_ids) for g in gens))
-        return gens
+        """The engine's generate on this worker (evaluation, warm-up)."""
+        return self.engine.generate(requests)
 
-    def update_weights(self, version: int, weights, interrupt: bool) -> float:
-        """Installs `version`; returns seconds (waits as the engine does).
-
-        weights: flat numpy params (JAX sampler) or a published HF directory (vLLM hosts, which
-        drain or continue as rollout.vllm's update mode says).
-        """
+    def update_weights(self, version: int, weights) -> float:
+        """Installs `version` (flat numpy params, or a published HF directory for vLLM hosts);
+        returns the seconds until the engine served it."""
         t0 = time.perf_counter()
-        if isinstance(weights, str):
-            self.engine.update_weights(version, path=weights)
-        else:
-            self.engine.update_weights(
-                version, params=self._fill(self.template, weights), interrupt=interrupt
-            )
-        self.install["install_s"] += time.perf_counter() - t0
-        self.install["updates"] += 1
+        self.engine.update_weights(version, weights).wait()
         return time.perf_counter() - t0
 
     def abort(self) -> None:
@@ -172,13 +135,8 @@ class RolloutActor:
         self.engine.resume()
 
     def stats(self) -> dict:
-        """Generation busy time, tokens, weight installs, programs traced, pid."""
-        return {
-            **self.busy.snapshot(),
-            **self.install,
-            "traces": getattr(self.engine, "traces", 0),
-            "pid": os.getpid(),
-        }
+        """The engine's counters (busy time, tokens, weight installs, ...) and this pid."""
+        return {**self.engine.stats(), "pid": os.getpid()}
 
     def shutdown(self) -> None:
         """Closes the engine (a vLLM worker stops its servers) before the actor is killed."""

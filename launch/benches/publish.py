@@ -1,20 +1,5 @@
-"""python -m launch.bench publish: weight publication against a plain copy of the same bytes.
-
-A learner of the preset's shapes (random initialisation, float32 params) saves an Orbax
-checkpoint. Then, --repeats times (the median is reported):
-  publish   ParamServer.publish from that checkpoint: restore the params on host, convert to HF
-            names and layout, write the safetensors shards + config + tokenizer + manifest of
-            sha256s into weights/vN.tmp, fsync, rename, LATEST;
-  reload    the same with a JaxEngine told to reload from the published directory
-            (engine.update_weights(path=...)); with --vllm also a vLLM host launched here;
-  copy      shutil.copyfile of the published safetensors files to another directory on the same
-            disk, each file fsynced, then the directory.
-Before the timed repeats one publication is taken apart (restore, HF conversion, safetensors
-write + fsync, sha256, the rest) so a slow stage can be named.
-
-Prints each figure, then `RESULT publish_s=... copy_s=... ratio=... reload_s=...` (ratio =
-publish / copy; the goal is ratio <= 2).
-"""
+"""python -m launch.bench publish: weight publication against a plain copy of the same bytes
+(the goal: publishing a version costs at most twice copying its files)."""
 
 from __future__ import annotations
 
@@ -26,9 +11,10 @@ import sys
 import tempfile
 import time
 
+from launch.benches.common import print_result
 from rl.param_server import fsync_path
 
-PRESETS = ("tiny", "qwen2_0p5b")
+PRESETS = ("tiny", "qwen2_0p5b")  # the publish bench's models (random init, float32)
 
 
 def copy_weights(src_dir: str, dst_dir: str) -> tuple[float, int]:
@@ -72,7 +58,7 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
 
     from models.hf import save_hf_tensors, to_hf_tensors
     from rl.checkpoint import restore_params
-    from rl.param_server import _workers, host_params_hf_layout, sha256_file
+    from rl.param_server import host_params_hf_layout, io_workers, sha256_file
 
     stages = {}
     t0 = time.perf_counter()
@@ -94,7 +80,7 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
     )
     stages["write+fsync"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(min(len(files), _workers())) as pool:
+    with concurrent.futures.ThreadPoolExecutor(min(len(files), io_workers())) as pool:
         list(pool.map(lambda n: sha256_file(os.path.join(out_dir, n)), files))
     stages[f"sha256 ({len(files)} files)"] = time.perf_counter() - t0
     shutil.rmtree(out_dir)
@@ -106,7 +92,23 @@ def _median(xs: list[float]) -> float:
 
 
 def run(args) -> dict:
-    """The benchmark; returns the RESULT values."""
+    """The benchmark; prints each figure and returns the RESULT values.
+
+    A learner of the preset's shapes (random initialisation, float32 params) saves an Orbax
+    checkpoint. Then, --repeats times (the median is reported):
+      publish   ParamServer.publish from that checkpoint: restore the params on host, convert to
+                HF names and layout, write the safetensors shards + config + tokenizer + manifest
+                of sha256s into weights/vN.tmp, fsync, rename, LATEST;
+      reload    the same with a JaxEngine told to reload from the published directory
+                (engine.update_weights(version, path)); with --vllm also a vLLM host launched
+                here;
+      copy      shutil.copyfile of the published safetensors files to another directory on the
+                same disk, each file fsynced, then the directory.
+    Before the timed repeats one publication is taken apart (restore, HF conversion, safetensors
+    write + fsync, sha256, the rest) so a slow stage can be named. The RESULT line holds
+    publish_s, copy_s, ratio (publish / copy), memory_s (publishing from params in memory),
+    memory_ratio, reload_s (and vllm_reload_s with --vllm).
+    """
     import jax
 
     from models.tokenizer import build_task_tokenizer
@@ -233,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         print(f"--repeats={args.repeats} must be positive", file=sys.stderr)
         return 2
-    from launch.bench import _result
-
-    _result(**run(args))
+    print_result(run(args))
     return 0
 
 

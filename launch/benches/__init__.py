@@ -1,0 +1,1 @@
+"""The benchmarks behind `python -m launch.bench NAME`: a module each, shared helpers in common."""

@@ -1,0 +1,285 @@
+"""From a RunConfig to objects: model, optimizer, compiled step, learner, engines, param server.
+
+The trainer, the Ray learner actor, launch/export.py and the benchmarks build through here, so
+one config means one model and one optimizer everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+
+import jax
+import optax
+
+from models import sharding as msh
+from models.config import ModelConfig
+from rl import config as C
+from rl.algorithms import losses as L
+from rl.checkpoint import Checkpointer
+from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule
+from rl.placement import CoreSplit, DeviceSplit
+from rl.rollout.base import SamplingParams
+
+
+def episode_seed(run_seed: int, group: int, index: int) -> int:
+    """The sampling seed of rollout `index` of group `group` (independent of batching)."""
+    return zlib.crc32(f"{run_seed}:{group}:{index}".encode()) & 0x7FFFFFFF
+
+
+def effective_eta(cfg: C.RunConfig) -> int:
+    """The staleness bound of the mode: sync 0, one_step_off 1, async max_staleness."""
+    return {"sync": 0, "one_step_off": 1}.get(cfg.trainer.mode, cfg.trainer.max_staleness)
+
+
+def sampling(cfg: C.RunConfig, greedy: bool = False) -> SamplingParams:
+    """Sampling params of rollouts (or of greedy evaluation)."""
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.eval_temperature if greedy else r.temperature,
+        top_k=0 if greedy else r.top_k,
+        top_p=1.0 if greedy else r.top_p,
+    )
+
+
+def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
+    """The ModelConfig of a preset, with the run's dtypes and attention settings."""
+    from models import config as mc
+
+    try:
+        base = getattr(mc, cfg.model.preset)(**cfg.model.overrides)
+    except ValueError as e:  # e.g. heads that do not divide hidden_size
+        raise C.ConfigError(
+            f"model.overrides: {cfg.model.overrides!r} give an invalid model: {e}"
+        ) from None
+    if base.vocab_size < vocab_size:
+        base = dataclasses.replace(base, vocab_size=bucket(vocab_size, 64))
+    return dataclasses.replace(
+        base,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        attention_impl=cfg.model.attention_impl,
+        remat=cfg.model.remat,
+    )
+
+
+def rl_optimizer(cfg: C.RunConfig):
+    """The optimizer of the run (its state structure is what checkpoints hold).
+
+    With sft.continue_optimizer the warm start and RL share it: the RL stage keeps the warm
+    start's Adam moments, so its first steps are not the sign-like steps of a fresh Adam.
+    """
+    o, s = cfg.optim, cfg.sft
+    sched = make_schedule(
+        o.lr,
+        total_steps=cfg.trainer.total_updates * cfg.learner.minibatches,
+        warmup_steps=o.warmup_steps,
+        schedule=o.schedule,
+    )
+    if s.steps > 0 and s.continue_optimizer:  # one optimizer, one step count, both stages
+        warm = make_schedule(
+            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
+        )
+        sched = optax.join_schedules([warm, sched], [s.steps])
+    return make_optimizer(
+        sched,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        max_grad_norm=o.max_grad_norm,
+    )
+
+
+def sft_optimizer(cfg: C.RunConfig):
+    """The warm start's own optimizer (when it does not continue into RL)."""
+    s = cfg.sft
+    return make_optimizer(
+        s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
+    )
+
+
+def loss_config(cfg: C.RunConfig) -> L.LossConfig:
+    """The algorithm section as a LossConfig."""
+    a = cfg.algorithm
+    return L.LossConfig(
+        clip_eps=a.clip_eps,
+        clip_eps_high=a.clip_eps_high,
+        dual_clip_c=a.dual_clip_c,
+        is_correction=a.is_correction,
+        is_cap=a.is_cap,
+        decoupled_cap=a.decoupled_cap,
+        aggregation=a.aggregation,
+        kl_coef=a.kl_coef,
+        loss_norm_const=a.loss_norm_const,
+    )
+
+
+def rl_step_cfg(cfg: C.RunConfig) -> StepConfig:
+    """The compiled RL step of the run (loss, temperature, micro-batches)."""
+    a = cfg.algorithm
+    n_seq = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches
+    mb = cfg.learner.micro_batch_size
+    return StepConfig(
+        loss=a.loss,
+        loss_cfg=loss_config(cfg),
+        temperature=cfg.rollout.temperature,
+        micro_batches=(n_seq // mb) if mb else 1,
+        logprob_chunk=cfg.learner.logprob_chunk,
+        needs_proximal=a.loss == "decoupled_ppo" or a.is_correction != "none",
+    )
+
+
+def pack_unit(cfg: C.RunConfig) -> int:
+    """Packed row counts are multiples of this (minibatches x micro-batches x data shards)."""
+    m = cfg.learner.mesh
+    return cfg.learner.minibatches * rl_step_cfg(cfg).micro_batches * m.data * m.fsdp
+
+
+def row_length(cfg: C.RunConfig, task, tokenizer, problems) -> int:
+    """The learner's row length: learner.pack_length packed, else the longest episode's bucket
+    (prompt + turns x (generation + observation))."""
+    if cfg.learner.pack:
+        return cfg.learner.pack_length
+    prompts = [len(tokenizer.encode(p.prompt)) for p in problems[:64]]
+    turns = getattr(task, "max_turns", 1)
+    return bucket(max(prompts) + 8 + turns * (cfg.rollout.max_new_tokens + 32))
+
+
+def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
+    """The run's initial policy on `mesh`: a preset at cfg.seed, or a Hugging Face checkpoint."""
+    if cfg.model.init == "hf":
+        from models import load_hf
+
+        return load_hf(cfg.model.path, mesh=mesh)
+    return msh.create_model(model_config(cfg, vocab_size), mesh, seed=cfg.seed)
+
+
+def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
+    """(mesh, Learner, Checkpointer) of the run on `devices` (in process, or in the learner
+    actor of the ray transport)."""
+    m = cfg.learner.mesh
+    n_dev = m.data * m.fsdp * m.tensor
+    if n_dev > len(devices):
+        raise C.ConfigError(
+            f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
+            f"{len(devices)} available (trainer.learner_devices / trainer.ray.learner_gpus)"
+        )
+    mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=list(devices)[:n_dev])
+    model = build_model(cfg, vocab_size, mesh)
+    learner = Learner(model, rl_optimizer(cfg), mesh=mesh, step_cfg=rl_step_cfg(cfg))
+    ckpt = Checkpointer(
+        os.path.join(run_dir, "checkpoints"),
+        keep=cfg.trainer.keep_checkpoints,
+        async_save=cfg.trainer.async_checkpoint,
+    )
+    return mesh, learner, ckpt
+
+
+def restore_learner(learner: Learner, ckpt: Checkpointer):
+    """Loads the newest checkpoint into `learner`: (meta, groups), or None if there is none."""
+    if ckpt.latest_step() is None:
+        return None
+    state, meta, groups = ckpt.restore(learner.state)
+    learner.state = state
+    learner.version = meta["version"]
+    return meta, groups
+
+
+def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: str, tokenizer):
+    """The parameter server writing each version's HF directory under run_dir/weights."""
+    from rl.param_server import ParamServer
+
+    return ParamServer(
+        os.path.join(run_dir, "weights"),
+        model_config_,
+        tokenizer_dir=tok_dir,
+        keep=3,
+        hf_overrides={"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id},
+    )
+
+
+def make_engine(
+    cfg: C.RunConfig,
+    learner: Learner,
+    *,
+    split: DeviceSplit | None = None,
+    cores: CoreSplit | None = None,
+    param_server=None,
+    run_dir: str = "",
+):
+    """The local transport's rollout engine, serving the learner's current weights.
+
+    vLLM hosts (launched here, or rollout.vllm.urls) reload from the parameter server's
+    directories; the JAX sampler runs in its own process on a CPU (trainer.pin_cores /
+    rollout_process), else in this process (on trainer.rollout_devices if given).
+    """
+    t = cfg.trainer
+    common = dict(
+        version=learner.version,
+        max_batch=cfg.rollout.batch_size,
+        deadline_s=t.deadline_s,
+        update_mode=t.partial,
+    )
+    if cfg.rollout.engine == "vllm":
+        from rl.rollout.vllm import VLLMEngine, VLLMHost, launch_hosts
+
+        v = cfg.rollout.vllm
+        version = learner.version
+        path, _ = param_server.write(version, learner.params())
+        if v.urls:
+            hosts = [VLLMHost.connect(u) for u in v.urls]
+        else:
+            hosts = launch_hosts(
+                path,
+                [os.path.join(run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)],
+                ready_timeout_s=v.ready_timeout_s,
+                seed=cfg.seed,
+                host=v.host,
+                enforce_eager=v.enforce_eager,
+                extra_args=v.extra_args,
+            )
+        engine = VLLMEngine(
+            hosts,
+            version=version,
+            update_mode=t.partial,
+            request_timeout_s=v.request_timeout_s,
+            deadline_s=t.deadline_s,
+            owns_hosts=not v.urls,
+        )
+        if v.urls:
+            engine.update_weights(version, path).wait()
+        param_server.served("engine", version)
+        return engine
+    if cores is not None or t.rollout_process:
+        if jax.default_backend() != "cpu":
+            key = "pin_cores" if cores is not None else "rollout_process"
+            raise C.ConfigError(
+                f"trainer.{key}: true needs the CPU backend, got {jax.default_backend()!r}"
+            )
+        from rl.rollout.process_engine import ProcessEngine
+
+        return ProcessEngine(learner.model, cores=cores.rollout if cores else (), **common)
+    from rl.rollout.jax_engine import JaxEngine
+
+    return JaxEngine(
+        learner.model,
+        devices=split.rollout if split else None,
+        background_install=split is not None,
+        **common,
+    )
+
+
+def make_eval_engine(cfg: C.RunConfig, learner: Learner):
+    """An in-process JAX sampler on the learner's weights: the evaluator beside local vLLM
+    hosts (the hosts keep serving rollouts)."""
+    from rl.rollout.jax_engine import JaxEngine
+
+    return JaxEngine(
+        learner.model,
+        version=learner.version,
+        max_batch=cfg.rollout.batch_size,
+        deadline_s=cfg.trainer.deadline_s,
+    )

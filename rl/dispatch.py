@@ -1,0 +1,111 @@
+"""The one admit -> generate -> deliver loop, for the local and the Ray transports.
+
+A rollout has `slots` (the local transport: one, an engine in this process; the Ray transport:
+one per worker actor). Each slot gets a dispatcher thread that admits groups from the
+coordinator (the staleness rule), runs them on its slot and puts the finished groups into the
+buffer. A lost worker's groups go back to the coordinator (same numbers, counted as
+re-dispatched) and the slot gets a replacement; any other failure reaches the learner through
+buffer.fail.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from rl.agent import run_groups
+from rl.buffer import GroupBuffer
+from rl.coordinator import Coordinator
+from rl.metrics import BusyClock
+from rl.rollout.base import RolloutError, SamplingParams, WorkerLost
+
+
+class LocalRollout:
+    """The local transport's one slot: groups run on an engine from a thread of this process."""
+
+    slots = 1
+
+    def __init__(self, engine, task, tokenizer):
+        self.engine, self.task, self.tokenizer = engine, task, tokenizer
+
+    def run(self, slot: int, items: list, sampling: SamplingParams, stopped=lambda: False):
+        """The finished groups of items [(group, version, problem, seeds)]; None once stopped."""
+        groups = run_groups(self.engine, self.task, self.tokenizer, items, sampling)
+        return None if stopped() else groups
+
+    def replace(self, slot: int, why: str, on_started=None) -> None:
+        """An in-process engine has no replacement: the run stops."""
+        raise RolloutError(f"the rollout engine was lost: {why}")
+
+
+class Dispatcher:
+    """One thread per rollout slot: admit groups, run them, deliver them to the buffer.
+
+    `work(admitted)` turns [(group, version)] into [(group, version, problem, seeds)].
+    """
+
+    def __init__(
+        self,
+        rollout,
+        coord: Coordinator,
+        buffer: GroupBuffer,
+        work: Callable[[list], list],
+        sampling: SamplingParams,
+        *,
+        max_groups: int,
+        deadline_s: float,
+    ):
+        self.rollout, self.coord, self.buffer = rollout, coord, buffer
+        self.work, self.sampling = work, sampling
+        self.max_groups, self.deadline_s = max_groups, deadline_s
+        self.clocks = [BusyClock() for _ in range(rollout.slots)]
+        self.threads = [
+            threading.Thread(target=self._loop, args=(i,), name=f"rollout-{i}", daemon=True)
+            for i in range(rollout.slots)
+        ]
+
+    def start(self) -> None:
+        """Starts the dispatcher threads."""
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float) -> None:
+        """Waits for the threads to end (after coord.stop() and the rollout's abort())."""
+        for t in self.threads:
+            t.join(timeout=timeout)
+
+    def busy_s(self) -> float:
+        """Seconds a slot spent running groups, averaged over the slots."""
+        return sum(c.busy_s() for c in self.clocks) / len(self.clocks)
+
+    def tokens(self) -> int:
+        """Generated tokens delivered so far."""
+        return sum(c.tokens for c in self.clocks)
+
+    def _loop(self, slot: int) -> None:
+        coord, clock = self.coord, self.clocks[slot]
+        try:
+            while True:
+                admitted = coord.admit(self.max_groups, timeout=self.deadline_s)
+                if not admitted:
+                    return
+                try:
+                    with clock.busy():
+                        groups = self.rollout.run(
+                            slot, self.work(admitted), self.sampling, lambda: coord.stopped
+                        )
+                except WorkerLost as e:
+                    if coord.stopped:
+                        return
+                    lost = [g for g, _ in admitted]
+                    self.rollout.replace(
+                        slot, str(e), on_started=lambda lost=lost: coord.requeue(lost)
+                    )
+                    continue
+                if groups is None or coord.stopped:
+                    return
+                clock.add_tokens(sum(e.num_generated for g in groups for e in g.episodes))
+                for g in groups:
+                    self.buffer.put(g)
+        except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
+            self.buffer.fail(e)

@@ -1,0 +1,46 @@
+"""Joining or starting a Ray cluster, and routing an actor's output to its log file."""
+
+from __future__ import annotations
+
+import os
+
+
+def connect(address: str = "", need_cpus: float = 1.0) -> bool:
+    """Joins the Ray cluster at `address` (or RAY_ADDRESS), else starts a local one.
+
+    Returns True if this call started Ray (the caller shuts it down), False if Ray was already
+    initialised in this process. A local cluster gets at least this host's CPUs and need_cpus.
+    """
+    import math
+
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, math.ceil(need_cpus)),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    return True
+
+
+def redirect_output(log_path: str) -> None:
+    """Everything the process prints (JAX warnings, tracebacks) goes to log_path."""
+    if not log_path:
+        return
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def first_line(e: BaseException) -> str:
+    """The innermost cause of a Ray error, on one line."""
+    cause = getattr(e, "cause", None) or e
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause) else ''}"

@@ -1,0 +1,87 @@
+"""The parameter-server actor of the `ray` transport: in-order weight fan-out to the workers.
+
+The driver hands it (version, weights ref, the live rollout workers) and it has every worker
+install that version, in publication order (a Ray actor runs one call at a time, in the order
+they were sent); a worker lost meanwhile is skipped (its dispatcher replaces it on the newest
+weights). For vLLM workers it writes each version's HF directory (rl/param_server.py) first.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rl.ray.cluster import redirect_output
+
+
+class ParamServerActor:
+    """Publishes weight versions to the rollout workers, in order; remembers the newest."""
+
+    def __init__(self, log_path: str = "", hf: dict | None = None):
+        self.log_path = log_path
+        redirect_output(log_path)
+        self.version = -1
+        self.weights: list = []
+        self.published = 0
+        self.server = None
+        if hf is not None:  # vLLM workers: each version becomes a published HF directory
+            from models.params import abstract_params
+            from rl.param_server import ParamServer
+
+            config = hf.pop("config")
+            self.template = abstract_params(config)[1]
+            self.server = ParamServer(hf.pop("weights_dir"), config, **hf)
+
+    def info(self) -> dict:
+        """pid and log path of the parameter server."""
+        return {"pid": os.getpid(), "log": self.log_path}
+
+    def write(self, version: int, weights: list) -> str:
+        """Writes weights[0] (flat numpy params) as the HF directory of `version` (vLLM)."""
+        import ray
+
+        from models.params import fill_params
+
+        path, _ = self.server.write(version, fill_params(self.template, ray.get(weights[0])))
+        self.server.engine_versions["workers"] = version  # kept until a newer one is served
+        self.server.retain()
+        return path
+
+    def publish(self, version: int, weights: list, workers: list, deadline_s: float):
+        """Has every worker install `version`; {install_s, skipped, total_s, weights}.
+
+        weights[0] is the flat numpy params' ObjectRef; JAX workers install it from the object
+        store, vLLM workers reload the HF directory written here from it ('weights' in the reply:
+        what a replacement worker starts on). A worker that died or fails its health check (its
+        dispatcher replaces it) is skipped: its replacement starts on the newest weights.
+        """
+        import ray
+
+        t0 = time.perf_counter()
+        send = self.write(version, weights) if self.server is not None else weights[0]
+        self.version, self.weights = version, [send]
+        refs = [w.update_weights.remote(version, send) for w in workers]
+        install, skipped = 0.0, 0
+        for w, r in zip(workers, refs):
+            try:
+                install = max(install, ray.get(r, timeout=deadline_s))
+            except ray.exceptions.RayActorError:
+                skipped += 1
+            except ray.exceptions.RayTaskError:  # lost its engine (vLLM hosts exited), or a
+                try:  # failed update on a healthy worker, which must not serve the old version
+                    ray.get(w.ping.remote(), timeout=deadline_s)
+                except ray.exceptions.RayError:
+                    skipped += 1
+                    continue
+                raise
+        self.published += 1
+        return {
+            "install_s": install,
+            "skipped": skipped,
+            "total_s": time.perf_counter() - t0,
+            "weights": [send],
+        }
+
+    def latest(self) -> tuple[int, list]:
+        """(newest version, [its weights: an ObjectRef, or an HF directory for vLLM])."""
+        return self.version, self.weights
