@@ -96,12 +96,10 @@ def test_missing_markers_are_an_error(tmp_path, capsys):
 
 
 def test_readme_block_is_current():
-    if not os.path.exists(README):
-        pytest.skip("README.md does not exist yet")
+    assert os.path.exists(README), f"{README} is missing"
     with open(README) as f:
         text = f.read()
-    if docs.START not in text or docs.END not in text:
-        pytest.skip(f"README.md has no {docs.START} / {docs.END} markers yet")
+    assert docs.START in text and docs.END in text, f"README.md lacks {docs.START} / {docs.END}"
     assert docs.current_block(text) == docs.render_block(), (
         "README.md's config reference is stale: run `python -m launch.docs --write README.md`"
     )
