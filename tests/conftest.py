@@ -1,9 +1,93 @@
-"""Test setup: 4 fake CPU devices for every test (1-device tests use a sub-mesh)."""
+"""Test setup: 4 fake CPU devices for every test (1-device tests use a sub-mesh), and the skip
+policy: a test may be skipped only for hardware this machine lacks. Tests marked `gpu` are
+skipped when JAX sees no GPU; any other skip, and any xfail, fails the session (exit status 1)
+with a section naming each such test and its reason. A missing package is an error, not a skip."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=4"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def no_gpu_reason() -> str | None:
+    """Why a `gpu` test cannot run here, or None when JAX's default backend is a GPU. Under
+    conftest's default JAX_PLATFORMS=cpu, JAX initialises only its CPU backend (no GPU probe);
+    run with JAX_PLATFORMS=cuda to run `gpu` tests on a GPU machine."""
+    import jax
+
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return None
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return (
+        f"needs a GPU (none visible: jax.default_backend() == {backend!r}, "
+        f"JAX_PLATFORMS={platforms!r})"
+    )
+
+
+def _reason(report) -> str:
+    if hasattr(report, "wasxfail"):
+        return f"xfail{' (passed)' if report.passed else ''}: {report.wasxfail or 'no reason'}"
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        path, line, message = report.longrepr  # where pytest.skip was called, "Skipped: why"
+        message = message.removeprefix("Skipped: ")
+        return f"skipped at {os.path.relpath(path)}:{line}: {message}"
+    return f"skipped: {report.longrepr}"
+
+
+class SkipPolicy:
+    """Collects every skip / xfail that is not a `gpu` test skipped for want of a GPU."""
+
+    def __init__(self):
+        self.gpu_tests: set[str] = set()
+        self.offenders: dict[str, str] = {}  # nodeid -> reason
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+        self.gpu_tests = {item.nodeid for item in gpu}
+        reason = no_gpu_reason() if gpu else None
+        if reason is not None:
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+    def _note(self, report):
+        if hasattr(report, "wasxfail") or (report.skipped and report.nodeid not in self.gpu_tests):
+            self.offenders.setdefault(report.nodeid or "(collection)", _reason(report))
+
+    def pytest_runtest_logreport(self, report):
+        self._note(report)
+
+    def pytest_collectreport(self, report):
+        if report.skipped:  # a whole module skipped while it was imported
+            self._note(report)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.offenders and exitstatus in (
+            pytest.ExitCode.OK,
+            pytest.ExitCode.NO_TESTS_COLLECTED,
+        ):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.offenders:
+            return
+        tr = terminalreporter
+        tr.section("skip policy violated", sep="=", red=True, bold=True)
+        tr.line(
+            f"{len(self.offenders)} test(s) skipped or xfailed without being a `gpu` test on a "
+            "machine without a GPU; only missing hardware may skip a test (a missing package "
+            "is an error, xfail hides nothing):",
+            red=True,
+        )
+        for nodeid, reason in self.offenders.items():
+            tr.line(f"  {nodeid}: {reason}", red=True)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SkipPolicy(), "tandem-skip-policy")

@@ -143,8 +143,9 @@ def test_run_summary_and_sweep_table(synthetic_runs):
 
 
 def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
-    nbclient = pytest.importorskip("nbclient")
-    nbformat = pytest.importorskip("nbformat")
+    import nbclient
+    import nbformat
+
     out = tmp_path / "nb_out"
     monkeypatch.setenv("TANDEM_RUN_DIRS", str(synthetic_runs / "*"))
     monkeypatch.setenv("TANDEM_OUT_DIR", str(out))

@@ -3,10 +3,9 @@
 import json
 
 import pytest
+import transformers
 
 from models import ModelConfig, qwen2_0p5b, qwen2_1p5b, tiny
-
-transformers = pytest.importorskip("transformers")
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
+import torch
+import transformers
 from flax import nnx
 from safetensors import safe_open
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from models import from_hf_tensors, load_hf, save_hf, save_hf_tensors, to_hf_tensors  # noqa: E402
-from models.hf import INDEX_FILE, SINGLE_FILE, read_hf_tensors  # noqa: E402
+from models import from_hf_tensors, load_hf, save_hf, save_hf_tensors, to_hf_tensors
+from models.hf import INDEX_FILE, SINGLE_FILE, read_hf_tensors
 
 FAMILIES = ("qwen2", "llama", "qwen3")
 COMMON = dict(
@@ -246,7 +246,6 @@ def test_packed_sequences_match_each_sequence_alone(hf):
 
 
 def test_save_hf_tensors_bfloat16_with_tokenizer(hf, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
     _, path = hf["llama"]
     model = load_hf(path)
     tok_dir = tmp_path / "tok"

@@ -11,6 +11,8 @@ import os
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
 
 from models import create_model, make_mesh, tiny
@@ -21,9 +23,6 @@ from rl.param_server import MANIFEST, ParamServer, latest, version_dir
 from rl.rollout.jax_engine import JaxEngine
 from rl.rollout.vllm import VLLMError, verify_weights_dir
 from rl.types import Episode
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 CONFIG = tiny()  # the vLLM-compatible tiny shape (2 layers, hidden 128, untied head)
 UPDATES = 3  # learner updates before the checkpoint

@@ -4,7 +4,6 @@ their own processes, episode batches in the object store, a real SIGKILL of a wo
 (SIGSTOP), the restart limit, lossless resume (checkpoints written by the learner actor)."""
 
 import glob
-import importlib.util
 import json
 import os
 import signal
@@ -13,8 +12,7 @@ import time
 
 import numpy as np
 import pytest
-
-ray = pytest.importorskip("ray")
+import ray
 
 from rl import config as C  # noqa: E402
 from rl.checkpoint import load_groups  # noqa: E402
@@ -348,7 +346,6 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_path):
     """A rollout worker actor launching and driving a real vLLM host (weights published by the
     parameter server actor as HF directories); SIGKILL of the host mid-run: the worker fails its

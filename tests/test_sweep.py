@@ -263,7 +263,6 @@ def test_interrupted_run_is_resumed(tmp_path):
 
 def test_smoke_sweep_on_ray(tmp_path, capsys):
     """--ray: each run is a Ray task in a worker process (its pid in the log), results as usual."""
-    pytest.importorskip("ray")
     out = tmp_path / "out"
     code = S.main(
         ["--config", SMOKE, "--out", str(out), "--ray", "--parallel", "2", "--ray-cpus", "1"]

@@ -18,20 +18,20 @@ import time
 
 import numpy as np
 import pytest
+import torch
+import transformers
+
+from rl.rollout.base import Generation, GenerationRequest, SamplingParams
+from rl.rollout.vllm import VLLMEngine, VLLMError, VLLMHost
 
 
 def real_vllm(test):
     """Marks a test that starts (or uses) a real vLLM server."""
-    test = pytest.mark.vllm(pytest.mark.slow(test))
-    no_vllm = importlib.util.find_spec("vllm") is None
-    return pytest.mark.skipif(no_vllm, reason="vllm is not installed")(test)
+    return pytest.mark.vllm(pytest.mark.slow(test))
 
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from rl.rollout.base import Generation, GenerationRequest, SamplingParams  # noqa: E402
-from rl.rollout.vllm import VLLMEngine, VLLMError, VLLMHost  # noqa: E402
+if importlib.util.find_spec("vllm") is None:  # an error, never a skip
+    raise ImportError("vllm is not installed: pip install -e '.[vllm]'")
 
 MAX_LEN = 32768
 TOL = 1e-3  # float32 serving matches transformers to ~1e-6; a stale lm_head is off by > 0.05

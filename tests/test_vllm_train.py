@@ -36,8 +36,9 @@ from rl.types import Episode
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
 ]
+if importlib.util.find_spec("vllm") is None:  # an error, never a skip
+    raise ImportError("vllm is not installed: pip install -e '.[vllm]'")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_YAML = os.path.join(ROOT, "configs", "vllm.yaml")

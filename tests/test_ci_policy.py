@@ -1,0 +1,97 @@
+"""The skip policy of tests/conftest.py, run by a pytest in a subprocess on a copy of the conftest
+and the project's pytest settings: a skip (or xfail) of a test not marked `gpu` fails the run and
+is named with its reason; a `gpu` test is skipped on a machine without a GPU, listed by -rs, and
+the run passes."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+FILES = {
+    "test_fine.py": """
+        import pytest
+
+        def test_passes():
+            pass
+
+        @pytest.mark.gpu
+        def test_on_a_gpu():
+            raise AssertionError("ran without a GPU")
+    """,
+    "test_skips.py": """
+        import pytest
+
+        def test_passes():
+            pass
+
+        def test_skips_unmarked():
+            pytest.skip("the tokenizer is not installed")
+
+        @pytest.mark.xfail(reason="flaky")
+        def test_xfails():
+            raise AssertionError
+    """,
+    "test_module_skip.py": """
+        import pytest
+
+        pytest.importorskip("no_such_package_anywhere")
+
+        def test_never_collected():
+            pass
+    """,
+}
+
+
+def _pytest(tmp_path: Path, *files: str) -> tuple[int, str]:
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(TESTS.parent / "pyproject.toml", tmp_path / "pyproject.toml")  # markers, strict
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTEST_ADDOPTS="", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", *files],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_only_gpu_tests_may_skip(tmp_path):
+    code, out = _pytest(tmp_path, "test_fine.py")
+    print(out)
+    assert code == 0, out
+    assert "1 passed, 1 skipped" in out, out
+    assert (
+        "SKIPPED [1] test_fine.py:7: needs a GPU (none visible: "
+        "jax.default_backend() == 'cpu', JAX_PLATFORMS='cpu')"
+    ) in out, out
+    assert "skip policy" not in out, out
+
+
+def test_any_other_skip_fails_the_run_and_is_named(tmp_path):
+    code, out = _pytest(tmp_path, "test_fine.py", "test_skips.py", "test_module_skip.py")
+    print(out)
+    assert code == 1, out
+    policy = out[out.index("skip policy violated") :]
+    assert "3 test(s) skipped or xfailed" in policy, out
+    assert (
+        "test_skips.py::test_skips_unmarked: skipped at test_skips.py:8: "
+        "the tokenizer is not installed"
+    ) in policy, out
+    assert "test_skips.py::test_xfails: xfail: flaky" in policy, out
+    assert (
+        "test_module_skip.py: skipped at test_module_skip.py:4: "
+        "could not import 'no_such_package_anywhere'"
+    ) in policy, out
+    assert "test_on_a_gpu" not in policy, out  # the allowed skip is listed by -rs only
+    assert "needs a GPU" in out, out
