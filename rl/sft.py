@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from rl import build
 from rl.learner import StepConfig, bucket, make_batch
 from rl.types import Episode
 
@@ -70,3 +71,17 @@ def warm_start(learner, task, tokenizer, sft, *, rl_step: StepConfig, sft_tx=Non
         learner.reset_optimizer(rl_tx)
     summary = {"sft/loss": loss, "sft/time": time.perf_counter() - t0, "sft/steps": sft.steps}
     return summary, curve
+
+
+def warm_start_run(cfg, learner, task, tokenizer):
+    """The run's warm start (cfg.sft), with the run's optimizers for both stages."""
+    fresh = not cfg.sft.continue_optimizer
+    return warm_start(
+        learner,
+        task,
+        tokenizer,
+        cfg.sft,
+        rl_step=build.rl_step_cfg(cfg),
+        sft_tx=build.sft_optimizer(cfg) if fresh else None,
+        rl_tx=build.rl_optimizer(cfg) if fresh else None,
+    )

@@ -27,7 +27,7 @@ from rl.evaluate import evaluate
 from rl.learner import train_batch
 from rl.metrics import MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import device_split, pin_learner, split_of
-from rl.sft import warm_start
+from rl.sft import warm_start_run
 from rl.tasks import get_task
 
 
@@ -200,17 +200,7 @@ class Trainer:
         summary: dict = {}
         if self.restored is None:
             if cfg.sft.steps > 0:
-                fresh = not cfg.sft.continue_optimizer
-                out, _ = warm_start(
-                    self.learner,
-                    self.task,
-                    self.tokenizer,
-                    cfg.sft,
-                    rl_step=build.rl_step_cfg(cfg),
-                    sft_tx=build.sft_optimizer(cfg) if fresh else None,
-                    rl_tx=build.rl_optimizer(cfg) if fresh else None,
-                )
-                summary.update(out)
+                summary.update(warm_start_run(cfg, self.learner, self.task, self.tokenizer)[0])
             first = Coordinator(self.B, self.eta)
             self.save(0, first, GroupBuffer(first))
         if self.cores and cfg.sft.steps > 0 and not self.remote:

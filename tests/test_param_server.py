@@ -20,6 +20,7 @@ from models.tokenizer import build_task_tokenizer
 from rl.checkpoint import Checkpointer
 from rl.learner import Learner, StepConfig, make_batch, make_optimizer
 from rl.param_server import MANIFEST, ParamServer, latest, version_dir
+from rl.rollout.base import Weights, WeightUpdate
 from rl.rollout.jax_engine import JaxEngine
 from rl.rollout.vllm import VLLMError, verify_weights_dir
 from rl.types import Episode
@@ -182,11 +183,13 @@ class _RecordingEngine:
         self.fail_from = fail_from
         self.calls: list[tuple[int, str]] = []
 
-    def update_weights(self, version: int, path: str | None = None, params=None) -> None:
+    def update_weights(self, version: int, weights) -> WeightUpdate:
         if self.fail_from is not None and version >= self.fail_from:
             raise VLLMError(f"host down: cannot load version {version}")
+        path = Weights.of(weights).path()
         verify_weights_dir(path, version)
         self.calls.append((version, path))
+        return WeightUpdate.served(version)
 
 
 def test_retention_keeps_newest_and_served_and_a_failing_engine_is_reported(tmp_path, trained):

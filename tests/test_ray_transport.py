@@ -14,19 +14,14 @@ import numpy as np
 import pytest
 import ray
 
-from rl import config as C  # noqa: E402
-from rl.checkpoint import load_groups  # noqa: E402
-from rl.ray_learner import LearnerError  # noqa: E402
-from rl.ray_transport import (  # noqa: E402
-    RayOptions,
-    RayRollout,
-    RolloutWorkerError,
-    WorkerLost,
-    pack_groups,
-    unpack_groups,
-)
-from rl.trainer import Trainer  # noqa: E402
-from rl.types import Episode, EpisodeGroup  # noqa: E402
+from rl import build
+from rl import config as C
+from rl.checkpoint import load_groups
+from rl.ray.learner import LearnerError
+from rl.ray.pool import RayOptions, RolloutWorkerError, WorkerPool
+from rl.rollout.base import Weights, WorkerLost
+from rl.trainer import Trainer
+from rl.types import Episode, EpisodeGroup, groups_from_arrays, groups_to_arrays
 
 B, N = 2, 4  # groups per update, samples per group
 BASE = [
@@ -78,22 +73,17 @@ def _trained(run_dir):
     return out
 
 
-def _watch(trainer, seen: dict, at_step: int, action) -> None:
-    """Keeps the trainer's RayRollout in seen['pool']; runs action() once update at_step is
-    logged."""
-    make_engine, log = trainer.make_engine, trainer.writer.log
+def _watch(seen: dict, at_step: int, action) -> dict:
+    """Trainer.run hooks: keep the worker pool in seen['pool']; run action() at update at_step."""
 
-    def make_and_keep():
-        seen["pool"] = make_engine()
-        return seen["pool"]
+    def keep(engine):
+        seen["pool"] = engine
 
-    def log_and_act(step, version, row):
-        out = log(step, version, row)
-        if step == at_step:
+    def act(version, row):
+        if version == at_step:
             action()
-        return out
 
-    trainer.make_engine, trainer.writer.log = make_and_keep, log_and_act
+    return {"on_engine": keep, "on_update": act}
 
 
 def _gone(pid, timeout=10.0):
@@ -133,13 +123,13 @@ def test_pack_unpack_round_trip():
         EpisodeGroup(7, "p", (_episode(1, 3, 5), _episode(2, 4, 0)), 3),
         EpisodeGroup(9, "q", (_episode(3, 2, 6),), 4),
     ]
-    batch = pack_groups(groups)
+    batch = groups_to_arrays(groups)
     n_tokens = (3 + 5) + (4 + 0) + (2 + 6)
-    per_token = [k for k, v in batch.items() if isinstance(v, np.ndarray) and v.size == n_tokens]
+    per_token = [k for k, v in batch.items() if v.size == n_tokens]
     assert sorted(per_token) == ["behavior_logp", "loss_mask", "tokens", "versions"]
-    lists = [v for v in batch.values() if isinstance(v, list)]
-    assert all(len(v) <= 3 for v in lists)  # strings per episode or group, never per token
-    back = unpack_groups(batch)
+    strings = [v for v in batch.values() if v.dtype.kind in "USO"]
+    assert strings and all(v.size <= 3 for v in strings)  # per episode or group, not per token
+    back = groups_from_arrays(batch)
     assert [(g.group_id, g.problem_id, g.dispatch_version) for g in back] == [
         (7, "p", 3),
         (9, "q", 4),
@@ -160,8 +150,9 @@ def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path)
     worker detected within the health deadline, then the restart limit's error."""
     trainer = Trainer(_cfg(str(tmp_path), "pool", "trainer.transport=local"))  # a model here
     opts = RayOptions(num_workers=1, health_deadline_s=2.0, max_restarts=1, log_dir=str(tmp_path))
-    pool = RayRollout(
-        trainer.learner.model,
+    pool = WorkerPool(
+        Weights(params=trainer.learner.params()),
+        trainer.learner.model.config,
         version=0,
         task={"name": "arithmetic", "seed": 0, "options": {}},
         tokenizer_dir=trainer.tok_dir,
@@ -170,33 +161,33 @@ def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path)
         call_deadline_s=60,
     )
     try:
-        pid0 = pool.pid
+        pid0 = pool.pids()[0]
         assert pid0 not in (os.getpid(), -1) and os.path.exists(f"/proc/{pid0}")
         items = trainer.group_work([(0, 0), (1, 0)])
-        outer = ray.get(pool.submit(0, items, trainer.sampling()), timeout=60)
+        outer = ray.get(pool.submit(0, items, build.sampling(trainer.cfg)), timeout=60)
         assert len(outer) == 1 and isinstance(outer[0], ray.ObjectRef)  # put by the worker
         batch = ray.get(outer[0])
         arrays = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
         assert arrays["tokens"].dtype == np.int32 and arrays["tokens"].size > 0
         # zero-copy reads of the shared-memory object store come back read-only
         assert not arrays["tokens"].flags.writeable and not arrays["versions"].flags.writeable
-        groups = unpack_groups(batch)
+        groups = groups_from_arrays(batch)
         assert [g.group_id for g in groups] == [0, 1]
         assert all(len(g.episodes) == N for g in groups)
 
         os.kill(pid0, signal.SIGSTOP)  # stops answering, does not die
         t0 = time.perf_counter()
         with pytest.raises(WorkerLost, match="health check within 2s"):
-            pool.run(0, items, trainer.sampling())
+            pool.run(0, items, build.sampling(trainer.cfg))
         assert time.perf_counter() - t0 < 2.0 + 3.0
         pool.replace(0, "did not answer")
-        pid1 = pool.pid
+        pid1 = pool.pids()[0]
         assert pid1 not in (pid0, os.getpid()) and pool.restarts == 1
-        assert [g.group_id for g in pool.run(0, items, trainer.sampling())] == [0, 1]
+        assert [g.group_id for g in pool.run(0, items, build.sampling(trainer.cfg))] == [0, 1]
 
         os.kill(pid1, signal.SIGKILL)
         with pytest.raises(WorkerLost, match="died"):
-            pool.run(0, items, trainer.sampling())
+            pool.run(0, items, build.sampling(trainer.cfg))
         with pytest.raises(RolloutWorkerError) as err:  # max_restarts=1 already used
             pool.replace(0, "died")
         msg = str(err.value)
@@ -244,8 +235,7 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
         seen["killer"] = threading.Thread(target=kill_while_generating, daemon=True)
         seen["killer"].start()
 
-    _watch(trainer, seen, 1, start_killer)
-    trainer.run()
+    trainer.run(**_watch(seen, 1, start_killer))
     seen["killer"].join(5)
 
     pids = seen["pids"]
@@ -283,9 +273,8 @@ def test_killed_learner_actor_fails_the_run_naming_it(cluster, tmp_path):
         seen["t"] = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
 
-    _watch(trainer, seen, 2, kill_learner)
     with pytest.raises(LearnerError) as err:
-        trainer.run()
+        trainer.run(**_watch(seen, 2, kill_learner))
     took = time.perf_counter() - seen["t"]
     msg = str(err.value)
     assert f"learner actor (pid {pid}," in msg and "died" in msg, msg
@@ -300,16 +289,16 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     first, total = 2, 4
     root = str(tmp_path)
     trainer = Trainer(_cfg(root, "resume", f"trainer.total_updates={first}"))
-    save = trainer._save
+    save = trainer.save
 
-    def save_with_buffered(step, coord, buffer, extra):
+    def save_with_buffered(step, coord, buffer):
         if step == first:  # make the scenario certain: a finished, untrained group exists
             t0 = time.perf_counter()
-            while not buffer.groups and time.perf_counter() - t0 < 60:
+            while not buffer.finished_groups() and time.perf_counter() - t0 < 60:
                 time.sleep(0.05)
-        return save(step, coord, buffer, extra)
+        return save(step, coord, buffer)
 
-    trainer._save = save_with_buffered
+    trainer.save = save_with_buffered
     trainer.run()
     saved = load_groups(os.path.join(root, "resume", "checkpoints", f"groups_{first}.npz"))
     assert saved and min(saved) >= first * B  # finished but untrained at the stop
@@ -373,8 +362,7 @@ def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_pa
         seen["host"], seen["host_log"] = host_pid, host_log
         os.killpg(host_pid, signal.SIGKILL)
 
-    _watch(trainer, seen, 1, kill_host)
-    trainer.run()
+    trainer.run(**_watch(seen, 1, kill_host))
 
     assert seen["host_parent"] == seen["worker"] != os.getpid()
     assert seen["host_log"] == os.path.join(trainer.run_dir, "logs", "rollout-0-vllm-0.log")

@@ -30,6 +30,7 @@ from rl.learner import make_batch
 from rl.param_server import ParamServer
 from rl.rollout.base import GenerationRequest, SamplingParams
 from rl.rollout.vllm import VLLMEngine, VLLMError, VLLMHost
+from rl.sft import demo_episode, warm_start_run
 from rl.trainer import Trainer
 from rl.types import Episode
 
@@ -102,7 +103,7 @@ def _sequences(trainer: Trainer) -> list[list[int]]:
     """Held-out prompts followed by their correct answers and EOS (token ids)."""
     out = []
     for problem in trainer.eval_problems[:N_SEQ]:
-        ep = trainer.demo_episode(problem)
+        ep = demo_episode(trainer.task, trainer.tokenizer, problem)
         out.append([int(t) for t in ep.tokens])
     return out
 
@@ -173,7 +174,7 @@ def test_publish_from_checkpoint_reloads_the_learners_weights(served):
     assert all((g.versions == 0).all() and len(g.token_ids) == 12 for g in gens)
 
     # K learner updates (the supervised warm start), an Orbax checkpoint of them.
-    trainer.supervised()
+    warm_start_run(trainer.cfg, trainer.learner, trainer.task, trainer.tokenizer)
     trainer.ckpt.save(K, trainer.learner.state, {"version": K})
     trainer.ckpt.wait()  # the trainer's saves are asynchronous; the server reads it from disk
     learner_K = _learner_scores(trainer, seqs, ones)
