@@ -7,6 +7,7 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import yaml
@@ -16,18 +17,60 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, missing or out of range."""
 
 
-def F(default: Any, help: str, **kw) -> Any:  # noqa: A002 - `help` reads best in schemas
-    """A schema field with a default and a one-line meaning (used by the config reference)."""
+def F(
+    default: Any,
+    help: str,  # noqa: A002 - `help` reads best in schemas
+    *,
+    choices: Callable[[], Sequence[str]] | None = None,
+    registry: str = "",
+    **kw,
+) -> Any:
+    """A schema field with a default and a one-line meaning (used by the config reference).
+
+    choices: for a `str` field named from a registry, a function returning the registry's
+    current names; the value is checked against them at load time (so a name registered by
+    a module imported before the config is loaded is valid) and the config reference lists
+    them. registry: the function that registers names, quoted in the error.
+    """
+    metadata = {"help": help}
+    if choices is not None:
+        metadata.update(choices=choices, registry=registry)
     if isinstance(default, (list, dict)):
         return dataclasses.field(
-            default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw
+            default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw
         )
-    return dataclasses.field(default=default, metadata={"help": help}, **kw)
+    return dataclasses.field(default=default, metadata=metadata, **kw)
 
 
 def sub(cls: type, help: str) -> Any:  # noqa: A002
     """A nested section field."""
     return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+# ---------------------------------------------------------------------------------------------
+# Registries: the single source of the names of tasks, advantage estimators and losses.
+# Imported when first needed, so `import rl.config` stays free of JAX.
+
+
+def task_names() -> tuple[str, ...]:
+    """Registered tasks (rl.tasks.TASKS), in registration order."""
+    from rl.tasks import TASKS
+
+    return tuple(TASKS)
+
+
+def advantage_names() -> tuple[str, ...]:
+    """Registered advantage estimators (rl.algorithms.ADVANTAGES), in registration order."""
+    from rl.algorithms.advantages import ADVANTAGES
+
+    return tuple(ADVANTAGES)
+
+
+def loss_names() -> tuple[str, ...]:
+    """Registered RL policy losses (supervised ones excluded), in registration order."""
+    from rl.algorithms.losses import policy_losses
+
+    return policy_losses()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,8 +97,11 @@ class ModelSection:
 
 @dataclasses.dataclass
 class TaskSection:
-    name: Literal["arithmetic", "countdown", "calculator", "longtail"] = F(
-        "arithmetic", "task to train on (longtail: synthetic long-tailed lengths, for benchmarks)"
+    name: str = F(
+        "arithmetic",
+        "task to train on (longtail: synthetic long-tailed lengths, for benchmarks)",
+        choices=task_names,
+        registry="rl.tasks.TASKS",
     )
     seed: int = F(0, "seed of the task's problem generator (train/eval splits are disjoint)")
     num_eval: int = F(256, "held-out problems evaluated every eval_every updates")
@@ -107,8 +153,15 @@ class RolloutSection:
 
 @dataclasses.dataclass
 class AlgorithmSection:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = F("grpo", "advantage estimator")
-    loss: Literal["ppo_clip", "decoupled_ppo", "gspo"] = F("ppo_clip", "policy loss")
+    advantage: str = F(
+        "grpo",
+        "advantage estimator",
+        choices=advantage_names,
+        registry="rl.algorithms.register_advantage",
+    )
+    loss: str = F(
+        "ppo_clip", "policy loss", choices=loss_names, registry="rl.algorithms.register_loss"
+    )
     clip_eps: float = F(0.2, "PPO clip range (low side, and high side unless clip_eps_high)")
     clip_eps_high: float | None = F(
         None, "high-side clip range (DAPO clip-higher); null = clip_eps"
@@ -326,9 +379,23 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported schema type {tp} at {path}")
 
 
+def _check_choice(path: str, value: Any, f: dataclasses.Field) -> None:
+    """A registry-named field: `value` must be one of the registry's current names."""
+    valid = tuple(f.metadata["choices"]())
+    if value in valid:
+        return
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = f"; names are registered by {f.metadata['registry']}" if f.metadata["registry"] else ""
+    raise ConfigError(
+        f"{path}: invalid value {value!r}; valid: {', '.join(map(repr, valid))}{hint}{where}"
+    )
+
+
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
@@ -337,7 +404,11 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{path}: unknown key{hint} (valid keys: {', '.join(names)})")
         kwargs[key] = _coerce(path, value, hints[key])
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    for name, f in fields.items():  # defaults included: the registry is the only source
+        if "choices" in f.metadata:
+            _check_choice(f"{prefix}.{name}" if prefix else name, getattr(obj, name), f)
+    return obj
 
 
 def _check_ranges(cfg: RunConfig) -> None:
@@ -369,10 +440,14 @@ def _check_ranges(cfg: RunConfig) -> None:
     positive("learner.micro_batch_size", cfg.learner.micro_batch_size, allow_zero=True)
     for axis in ("data", "fsdp", "tensor"):
         positive(f"learner.mesh.{axis}", getattr(cfg.learner.mesh, axis))
-    if cfg.rollout.group_size < 2 and cfg.algorithm.advantage in ("grpo", "dr_grpo", "rloo"):
+    from rl.algorithms.advantages import advantage_spec
+    from rl.algorithms.losses import loss_spec
+
+    need = advantage_spec(cfg.algorithm.advantage).min_group_size
+    if cfg.rollout.group_size < need:
         raise ConfigError(
             f"rollout.group_size: invalid value {cfg.rollout.group_size}; "
-            f"advantage {cfg.algorithm.advantage!r} needs groups of at least 2 samples"
+            f"advantage {cfg.algorithm.advantage!r} needs groups of at least {need} samples"
         )
     if cfg.trainer.mode == "sync" and cfg.trainer.max_staleness != 0:
         raise ConfigError(
@@ -430,6 +505,13 @@ def _check_ranges(cfg: RunConfig) -> None:
                 "minibatches)"
             )
     a = cfg.algorithm
+    spec = loss_spec(a.loss)
+    if a.is_correction != "none" and not spec.accepts_is_correction:
+        raise ConfigError(
+            f"algorithm.is_correction: invalid value {a.is_correction!r} with algorithm.loss "
+            f"{a.loss!r}, which takes no importance correction (registered with "
+            "accepts_is_correction=False, e.g. it carries its own behaviour weight); valid: 'none'"
+        )
     if cfg.learner.pack:
         positive("learner.pack_length", cfg.learner.pack_length)
         if a.aggregation != "token_mean":
@@ -437,11 +519,13 @@ def _check_ranges(cfg: RunConfig) -> None:
                 f"learner.pack: true needs algorithm.aggregation 'token_mean' (a packed row holds "
                 f"several sequences), got {a.aggregation!r}; or set learner.pack: false"
             )
-        if a.loss == "gspo" or a.is_correction.endswith("_seq"):
+        if spec.sequence_level or a.is_correction.endswith("_seq"):
+            token = [n for n in loss_names() if not loss_spec(n).sequence_level]
+            kind = " (sequence-level)" if spec.sequence_level else ""
             raise ConfigError(
-                f"learner.pack: true needs a token-level loss, got algorithm.loss {a.loss!r} with "
-                f"is_correction {a.is_correction!r}; valid: ppo_clip / decoupled_ppo with none or "
-                "*_token corrections, or learner.pack: false"
+                f"learner.pack: true needs a token-level loss, got algorithm.loss {a.loss!r}"
+                f"{kind} with is_correction {a.is_correction!r}; valid: {' / '.join(token)} "
+                "with none or *_token corrections, or learner.pack: false"
             )
     n_seq = cfg.rollout.prompts_per_update * cfg.rollout.group_size
     if n_seq % cfg.learner.minibatches:
@@ -626,10 +710,14 @@ def reference_rows(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, s
             default = f.default
         else:
             default = f.default_factory()  # type: ignore[misc]
+        if "choices" in f.metadata:  # the registry's names when the reference is generated
+            type_name = "one of " + ", ".join(repr(c) for c in f.metadata["choices"]())
+        else:
+            type_name = _type_name(tp)
         rows.append(
             (
                 path,
-                _type_name(tp),
+                type_name,
                 yaml.safe_dump(default).strip().removesuffix("...").strip(),
                 f.metadata.get("help", ""),
             )

@@ -190,9 +190,7 @@ _MAXED = ("ratio_max",)
 
 def _token_level(cfg: StepConfig) -> bool:
     """Whether the loss only sums per-token terms (then packed rows are exact)."""
-    c = cfg.loss_cfg
-    sequence_level = cfg.loss == "gspo" or c.is_correction.endswith("_seq")
-    return cfg.loss == "sft" or (c.aggregation == "token_mean" and not sequence_level)
+    return L.token_level(cfg.loss, cfg.loss_cfg)
 
 
 class Learner:
@@ -246,6 +244,7 @@ class Learner:
     def _compile_train(self, cfg: StepConfig):
         graphdef = self.graphdef
         batch_sharding = _batch_sharding(self.mesh)
+        spec = L.loss_spec(cfg.loss)
 
         def policy_logp(model, b):
             h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
@@ -255,24 +254,21 @@ class Learner:
 
         def loss_fn(model, b, num_tokens, num_seqs):
             logp, entropy = policy_logp(model, b)
-            if cfg.loss == "sft":
-                m = b["loss_mask"]
-                loss = -(logp * m).sum() / jnp.maximum(num_tokens, 1.0)
-                metrics = {"loss": loss}
-            else:
-                prox = b.get("proximal_logp")
-                if prox is None and cfg.needs_proximal:
-                    prox = jax.lax.stop_gradient(logp)  # one minibatch: params at update start
-                inputs = L.LossInputs(
-                    logp=logp,
-                    behavior_logp=b["behavior_logp"],
-                    advantages=b["advantages"],
-                    mask=b["loss_mask"],
-                    proximal_logp=prox,
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
-                )
-                loss, metrics = L.compute_loss(cfg.loss, inputs, cfg.loss_cfg)
+            prox = b.get("proximal_logp")
+            if prox is None and cfg.needs_proximal:
+                prox = jax.lax.stop_gradient(logp)  # one minibatch: params at update start
+            inputs = L.LossInputs(
+                logp=logp,
+                behavior_logp=b["behavior_logp"],
+                advantages=b["advantages"],
+                mask=b["loss_mask"],
+                proximal_logp=prox,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            loss, metrics = L.compute_loss(cfg.loss, inputs, cfg.loss_cfg)
+            if spec.supervised:  # the warm start reports its NLL only
+                metrics = {"loss": metrics["loss"]}
             m = b["loss_mask"]
             metrics["entropy"] = (jax.lax.stop_gradient(entropy) * m).sum()
             metrics["logp_sum"] = (jax.lax.stop_gradient(logp) * m).sum()
@@ -365,11 +361,12 @@ class Learner:
         packed = segment_ids is not None and np.max(segment_ids) > 1
         if packed and not _token_level(self.step_cfg):
             c = self.step_cfg
+            seq = " (a sequence-level loss)" if L.loss_spec(c.loss).sequence_level else ""
             raise ValueError(
                 f"a packed batch (rows hold several sequences) needs a token-level loss, got "
-                f"loss={c.loss!r}, aggregation={c.loss_cfg.aggregation!r}, "
+                f"loss={c.loss!r}{seq}, aggregation={c.loss_cfg.aggregation!r}, "
                 f"is_correction={c.loss_cfg.is_correction!r}; use aggregation='token_mean' (and "
-                f"no gspo / *_seq correction) or learner.pack=false"
+                f"a token-level loss, no *_seq correction) or learner.pack=false"
             )
         arrays = dict(arrays_in)
         if self.step_cfg.needs_proximal and minibatches > 1:

@@ -8,26 +8,63 @@ valid sample has no baseline and gets advantage 0 from every estimator; a group 
 rewards are all equal gets advantage 0 as well.
 """
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 AdvantageFn = Callable[..., jax.Array]
 
-ADVANTAGES: dict[str, AdvantageFn] = {}
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSpec:
+    """A registered advantage estimator and the properties the config reads (never its name)."""
+
+    name: str
+    fn: AdvantageFn
+    # Smallest rollout.group_size that gives a non-zero advantage: 2 for estimators with a
+    # per-group baseline (one sample is its own baseline), 1 for a batch-level baseline.
+    min_group_size: int = 2
+
+    def __call__(self, rewards_GN: jax.Array, valid_GN: jax.Array, **kw) -> jax.Array:
+        return self.fn(rewards_GN, valid_GN, **kw)
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register `fn(rewards_GN, valid_GN, *, eps, **kw) -> adv_GN` under `name`."""
+ADVANTAGES: dict[str, AdvantageSpec] = {}
+
+
+def register_advantage(name: str, fn: AdvantageFn | None = None, *, min_group_size: int = 2) -> Any:
+    """Register `fn(rewards_GN, valid_GN, *, eps, **kw) -> adv_GN` under `name`.
+
+    As a decorator, `@register_advantage(name)`, it returns the function unchanged; called
+    with `fn`, `register_advantage(name, fn, ...)`, it registers and returns `fn`.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an advantage estimator name must be a non-empty str, got {name!r}")
+    if isinstance(min_group_size, bool) or not isinstance(min_group_size, int):
+        raise ValueError(f"advantage {name!r}: min_group_size must be an int >= 1")
+    if min_group_size < 1:
+        raise ValueError(f"advantage {name!r}: min_group_size must be an int >= 1")
 
     def wrap(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGES:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGES[name] = fn
+        if not callable(fn):
+            raise TypeError(f"advantage {name!r}: expected a callable, got {fn!r}")
+        ADVANTAGES[name] = AdvantageSpec(name, fn, min_group_size=min_group_size)
         return fn
 
-    return wrap
+    return wrap if fn is None else wrap(fn)
+
+
+def advantage_spec(name: str) -> AdvantageSpec:
+    """The registered AdvantageSpec of `name`; ValueError listing the valid names if unknown."""
+    spec = ADVANTAGES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGES)}")
+    return spec
 
 
 def compute_advantages(
@@ -39,8 +76,7 @@ def compute_advantages(
     **kw,
 ) -> jax.Array:
     """Advantages_GN [G, N] (float32, 0 at invalid slots) by the estimator registered as `name`."""
-    if name not in ADVANTAGES:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGES)}")
+    spec = advantage_spec(name)
     rewards_GN = jnp.asarray(rewards_GN, jnp.float32)
     if rewards_GN.ndim != 2:
         raise ValueError(f"rewards_GN must be [G, N], got shape {rewards_GN.shape}")
@@ -53,7 +89,7 @@ def compute_advantages(
         )
     # Invalid slots may hold anything (NaN included); they never enter a statistic.
     rewards_GN = jnp.where(valid_GN, rewards_GN, 0.0)
-    adv_GN = ADVANTAGES[name](rewards_GN, valid_GN, eps=eps, **kw)
+    adv_GN = spec.fn(rewards_GN, valid_GN, eps=eps, **kw)
     return jnp.where(valid_GN, adv_GN, 0.0)
 
 

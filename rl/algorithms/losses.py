@@ -19,6 +19,12 @@ Losses (LOSSES):
                  With per-sequence advantages and aggregation "seq_mean_token_mean" it is
                  exactly the paper's sequence objective. The paper uses tiny clip ranges
                  (3e-4 / 4e-4); set clip_eps / clip_eps_high accordingly.
+  sft            supervised warm start: token negative log-likelihood -logp (behavior_logp
+                 and advantages unused; not an RL policy loss, so not a valid algorithm.loss).
+
+Each loss is registered with its properties (LossSpec: needs_proximal, sequence_level,
+accepts_is_correction, supervised); callers read those through loss_spec / needs_proximal /
+token_level / policy_losses, never by comparing names.
 
 Training-inference mismatch correction (cfg.is_correction, for ppo_clip and gspo; needs
 proximal_logp): the trust region is taken around pi_proximal (the ratio's denominator becomes
@@ -157,23 +163,110 @@ class TokenTerms:
 
 LossFn = Callable[[LossInputs, LossConfig], TokenTerms]
 
-LOSSES: dict[str, LossFn] = {}
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A registered loss and the properties that the learner and the config read.
+
+    Code outside this module never compares a loss's name: it asks `loss_spec(name)` (or
+    `needs_proximal`, `token_level`, `policy_losses`) instead, so a loss registered by a
+    user's module behaves like a built-in one.
+    """
+
+    name: str
+    fn: LossFn
+    # Reads LossInputs.proximal_logp (the params at the start of the update) even without an
+    # is_correction; the learner then supplies it (decoupled_ppo).
+    needs_proximal: bool = False
+    # A token's loss depends on the other tokens of its sequence (gspo's sequence ratio):
+    # rows packed with several sequences would mix them.
+    sequence_level: bool = False
+    # Accepts cfg.is_correction; False: is_correction must be "none" (decoupled_ppo carries
+    # its own behaviour weight).
+    accepts_is_correction: bool = True
+    # Trains on demonstrations (the warm start): behaviour log-probs and advantages unused
+    # (advantages may be None); the learner reports only its loss. Not an RL policy loss, so
+    # not a valid algorithm.loss.
+    supervised: bool = False
+
+    def __call__(self, inputs: LossInputs, cfg: LossConfig) -> TokenTerms:
+        return self.fn(inputs, cfg)
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Register `fn(inputs, cfg) -> TokenTerms` under `name`.
+LOSSES: dict[str, LossSpec] = {}
 
+
+def register_loss(
+    name: str,
+    fn: LossFn | None = None,
+    *,
+    needs_proximal: bool = False,
+    sequence_level: bool = False,
+    accepts_is_correction: bool = True,
+    supervised: bool = False,
+) -> Any:
+    """Register `fn(inputs, cfg) -> TokenTerms` under `name`, with its properties (LossSpec).
+
+    As a decorator, `@register_loss(name, needs_proximal=True)`, it returns the function
+    unchanged; called with `fn`, `register_loss(name, fn, ...)`, it registers and returns `fn`.
     The function receives LossInputs already cleaned by compute_loss: float32 arrays, every
     per-token array 0 at masked positions, advantages [B, T], mask float 0/1.
     """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a loss name must be a non-empty str, got {name!r}")
 
     def wrap(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
+        if not callable(fn):
+            raise TypeError(f"loss {name!r}: expected a callable fn(inputs, cfg), got {fn!r}")
+        LOSSES[name] = LossSpec(
+            name,
+            fn,
+            needs_proximal=bool(needs_proximal),
+            sequence_level=bool(sequence_level),
+            accepts_is_correction=bool(accepts_is_correction),
+            supervised=bool(supervised),
+        )
         return fn
 
-    return wrap
+    return wrap if fn is None else wrap(fn)
+
+
+def loss_spec(name: str) -> LossSpec:
+    """The registered LossSpec of `name`; ValueError listing the valid names if unknown."""
+    spec = LOSSES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown loss {name!r}; valid names: {sorted(LOSSES)}")
+    return spec
+
+
+def policy_losses() -> tuple[str, ...]:
+    """Registered RL policy losses (not supervised), in registration order: algorithm.loss."""
+    return tuple(n for n, s in LOSSES.items() if not s.supervised)
+
+
+def needs_proximal(loss: str, is_correction: str) -> bool:
+    """Whether an update with `loss` and `is_correction` needs proximal_logp.
+
+    True when the loss reads it (LossSpec.needs_proximal) or an is_correction is set (the
+    trust region is then taken around the proximal policy). Unknown names raise ValueError.
+    """
+    spec = loss_spec(loss)
+    if is_correction not in IS_CORRECTIONS:
+        raise ValueError(f"unknown is_correction {is_correction!r}; valid: {IS_CORRECTIONS}")
+    return spec.needs_proximal or is_correction != "none"
+
+
+def token_level(loss: str, cfg: LossConfig) -> bool:
+    """Whether `loss` under `cfg` only sums per-token terms over a global token count.
+
+    Then each token's term depends on its own token alone and the normaliser on the batch,
+    so rows packed with several sequences give exactly the unpacked loss.
+    """
+    if loss_spec(loss).sequence_level:
+        return False
+    return cfg.aggregation == "token_mean" and not cfg.is_correction.endswith("_seq")
 
 
 def _exp(log_x: jax.Array) -> jax.Array:
@@ -242,14 +335,9 @@ def ppo_clip(x: LossInputs, cfg: LossConfig) -> TokenTerms:
     return TokenTerms(loss * w, ratio, log_ratio, is_weight=w, is_masked=dropped, **stats)
 
 
-@register_loss("decoupled_ppo")
+@register_loss("decoupled_ppo", needs_proximal=True, accepts_is_correction=False)
 def decoupled_ppo(x: LossInputs, cfg: LossConfig) -> TokenTerms:
     """Decoupled PPO: clip around pi_proximal, times sg(pi_proximal / pi_behavior) capped."""
-    if cfg.is_correction != "none":
-        raise ValueError(
-            f"decoupled_ppo carries its own behaviour weight (decoupled_cap); "
-            f"is_correction={cfg.is_correction!r} must be 'none' with it"
-        )
     log_ratio = x.logp - x.proximal_logp
     ratio = _exp(log_ratio)
     loss, stats = _clipped_surrogate(ratio, x.advantages, cfg)
@@ -265,7 +353,7 @@ def decoupled_ppo(x: LossInputs, cfg: LossConfig) -> TokenTerms:
     return TokenTerms(loss * w, ratio, log_ratio, is_weight=w, is_masked=dropped, **stats)
 
 
-@register_loss("gspo")
+@register_loss("gspo", sequence_level=True)
 def gspo(x: LossInputs, cfg: LossConfig) -> TokenTerms:
     """GSPO(-token): clipped surrogate on the length-normalised sequence ratio."""
     m = x.mask
@@ -280,6 +368,15 @@ def gspo(x: LossInputs, cfg: LossConfig) -> TokenTerms:
     loss, stats = _clipped_surrogate(ratio, x.advantages, cfg)
     w, dropped = _is_weight(x, cfg)
     return TokenTerms(loss * w, ratio, log_ratio, is_weight=w, is_masked=dropped, **stats)
+
+
+@register_loss("sft", supervised=True, accepts_is_correction=False)
+def sft(x: LossInputs, cfg: LossConfig) -> TokenTerms:
+    """Supervised warm start: per-token negative log-likelihood -logp (no ratio, no weight)."""
+    del cfg
+    no = jnp.zeros(x.mask.shape, bool)
+    one = jnp.ones_like(x.mask)
+    return TokenTerms(-x.logp, one, jnp.zeros_like(x.logp), no, no, no, one, no)
 
 
 def _num_seqs(m_BT: jax.Array) -> jax.Array:
@@ -309,8 +406,11 @@ def aggregate(
     return per_seq_B.sum() / jnp.maximum(n_seqs, 1.0)
 
 
-def _prepare(inputs: LossInputs | Mapping[str, Any]) -> LossInputs:
-    """Validate shapes, cast to float32, zero every per-token array at masked positions."""
+def _prepare(inputs: LossInputs | Mapping[str, Any], supervised: bool = False) -> LossInputs:
+    """Validate shapes, cast to float32, zero every per-token array at masked positions.
+
+    A supervised loss may leave advantages None (they are then zeros).
+    """
     if isinstance(inputs, Mapping):
         unknown = set(inputs) - {f.name for f in dataclasses.fields(LossInputs)}
         if unknown:
@@ -337,7 +437,8 @@ def _prepare(inputs: LossInputs | Mapping[str, Any]) -> LossInputs:
             raise ValueError(f"{name} shape {x.shape} must equal logp shape {(B, T)}")
         return jnp.where(mask_bool, x, 0.0)
 
-    adv = jnp.asarray(inputs.advantages, dtype)
+    adv = inputs.advantages
+    adv = jnp.zeros((B,), dtype) if adv is None and supervised else jnp.asarray(adv, dtype)
     if adv.shape == (B,):
         adv = jnp.broadcast_to(adv[:, None], (B, T))
     elif adv.shape != (B, T):
@@ -364,17 +465,22 @@ def compute_loss(
     denominator), ratio_mean, ratio_max, is_weight_mean, masked_fraction, num_tokens,
     and kl (k3 vs ref_logp) when ref_logp is given. Entropy needs full logits: the learner.
     """
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid names: {sorted(LOSSES)}")
-    x = _prepare(inputs)
-    if name == "decoupled_ppo" and x.proximal_logp is None:
-        raise ValueError("loss 'decoupled_ppo' needs proximal_logp (got None)")
+    spec = loss_spec(name)
+    if cfg.is_correction != "none" and not spec.accepts_is_correction:
+        raise ValueError(
+            f"loss {name!r} takes no is_correction (registered with accepts_is_correction="
+            f"False, e.g. it carries its own behaviour weight); "
+            f"is_correction={cfg.is_correction!r} must be 'none' with it"
+        )
+    x = _prepare(inputs, supervised=spec.supervised)
+    if spec.needs_proximal and x.proximal_logp is None:
+        raise ValueError(f"loss {name!r} needs proximal_logp (got None)")
     if cfg.is_correction != "none" and x.proximal_logp is None:
         raise ValueError(f"is_correction={cfg.is_correction!r} needs proximal_logp (got None)")
     if cfg.kl_coef > 0 and x.ref_logp is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logp (got None)")
 
-    terms = LOSSES[name](x, cfg)
+    terms = spec.fn(x, cfg)
     m = x.mask
     agg = functools.partial(aggregate, mask_BT=m, cfg=cfg, num_tokens=x.num_tokens)
     agg = functools.partial(agg, num_seqs=x.num_seqs)
