@@ -92,7 +92,7 @@ class Sweep:
 
 def _normalize(value: Any) -> Any:
     """YAML 1.1 reads 1e-3 as a string; such strings become floats, as with --set."""
-    if isinstance(value, str) and C._FLOAT_RE.match(value.strip()):
+    if isinstance(value, str) and C.FLOAT_RE.match(value.strip()):
         return float(value)
     if isinstance(value, list):
         return [_normalize(v) for v in value]
@@ -120,9 +120,9 @@ def _flatten(data: dict, where: str, prefix: str = "") -> dict[str, Any]:
 def set_arg(key: str, value: Any) -> str:
     """`key=text` for `launch.train --set` such that the text parses back to `value`."""
     text = value if isinstance(value, str) else json.dumps(value)
-    if C._parse_scalar(text) != value:
+    if C.parse_scalar(text) != value:
         text = json.dumps(value)  # quoted: e.g. the string "true" or "1"
-    parsed = C._parse_scalar(text)
+    parsed = C.parse_scalar(text)
     if parsed != value or type(parsed) is not type(value):
         raise C.ConfigError(f"{key}: value {value!r} cannot be passed as --set {key}={text}")
     return f"{key}={text}"
@@ -179,7 +179,7 @@ def from_dict(data: Any, path: str = "<sweep>") -> Sweep:
 def _from_dict(data: Any, path: str) -> Sweep:
     if not isinstance(data, dict):
         raise C.ConfigError(f"expected a mapping of sweep keys, got {data!r}")
-    spec: SweepFile = C._build(SweepFile, data)
+    spec: SweepFile = C.build_section(SweepFile, data)
     err = C.ConfigError
 
     if spec.grid and spec.runs:

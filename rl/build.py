@@ -128,7 +128,7 @@ def rl_step_cfg(cfg: C.RunConfig) -> StepConfig:
         temperature=cfg.rollout.temperature,
         micro_batches=(n_seq // mb) if mb else 1,
         logprob_chunk=cfg.learner.logprob_chunk,
-        needs_proximal=a.loss == "decoupled_ppo" or a.is_correction != "none",
+        needs_proximal=L.needs_proximal(a.loss, a.is_correction),
     )
 
 

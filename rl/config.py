@@ -349,7 +349,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
-        return _build(tp, value, path)
+        return build_section(tp, value, path)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
@@ -369,7 +369,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        if isinstance(value, str) and FLOAT_RE.match(value.strip()):
             return float(value)  # YAML 1.1 reads "1e-3" as a string
         raise ConfigError(f"{path}: expected float, got {value!r}")
     if tp is str:
@@ -392,7 +392,8 @@ def _check_choice(path: str, value: Any, f: dataclasses.Field) -> None:
     )
 
 
-def _build(cls: type, data: dict, prefix: str = "") -> Any:
+def build_section(cls: type, data: dict, prefix: str = "") -> Any:
+    """A dataclass section from a dict: types coerced, unknown keys and bad values as ConfigError."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     names = list(fields)
@@ -629,21 +630,21 @@ def from_dict(data: dict | None) -> RunConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"<root>: expected a mapping of sections, got {data!r}")
-    cfg = _build(RunConfig, data)
+    cfg = build_section(RunConfig, data)
     _check_ranges(cfg)
     return cfg
 
 
-_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
     """Parses a --set value by YAML rules (1 -> int, 1e-3 -> float, true -> bool, [a] -> list)."""
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+    if isinstance(value, str) and FLOAT_RE.match(value.strip()):
         return float(value)  # YAML 1.1 reads "1e-3" as a string
     return value
 
@@ -664,7 +665,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{key}: {part!r} is not a section (value {nxt!r})")
             node = nxt
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = parse_scalar(text)
     return data
 
 
