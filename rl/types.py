@@ -14,6 +14,15 @@ def _frozen(a: np.ndarray, dtype) -> np.ndarray:
     return a
 
 
+_SCALAR_TYPES = (
+    ("prompt_len", int),
+    ("reward", float),
+    ("correct", bool),
+    ("formatted", bool),
+    ("num_turns", int),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Episode:
     """One rollout: prompt + generated + environment tokens of a (multi-turn) episode.
@@ -39,6 +48,8 @@ class Episode:
 
     def __post_init__(self):
         n = len(self.tokens)
+        for name, cast in _SCALAR_TYPES:  # Python scalars (not numpy's): JSON-able, exact codec
+            object.__setattr__(self, name, cast(getattr(self, name)))
         object.__setattr__(self, "tokens", _frozen(self.tokens, np.int32))
         object.__setattr__(self, "loss_mask", _frozen(self.loss_mask, np.int8))
         object.__setattr__(self, "behavior_logp", _frozen(self.behavior_logp, np.float32))
