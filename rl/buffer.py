@@ -12,6 +12,7 @@ skews training toward short or easy episodes shows in the metrics.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -131,15 +132,52 @@ class GroupBuffer:
             self._trained_stats.extend(_stats(g) for g in out)
         return out
 
-    def state(self) -> dict:
-        """Finished, untrained groups and the consume cursor (for lossless resume)."""
+    def state(self) -> tuple[dict, dict[int, EpisodeGroup]]:
+        """(state, groups) for a checkpoint, taken together: the JSON-able consume cursor,
+        numbers consumed above it ("drop") and counts; and the finished, untrained groups (for
+        the checkpoint's groups file). GroupBuffer.from_state inverts it."""
         with self._cond:
-            return {
+            state = {
                 "next_group": self.next_group,
                 "consumed": sorted(self.consumed),
-                "groups": dict(self.groups),
                 "counts": dict(self.counts),
             }
+            return state, dict(self.groups)
+
+    @classmethod
+    def from_state(
+        cls,
+        coordinator: Coordinator,
+        state: Mapping,
+        groups: Mapping[int, EpisodeGroup] | Iterable[EpisodeGroup],
+        *,
+        stale_policy: str = "keep",
+        filter_zero_advantage: bool = True,
+        max_filtered_factor: int = 4,
+    ) -> GroupBuffer:
+        """The buffer of a checkpoint's state() and groups ({} and (): a fresh one), feeding
+        `coordinator` (Coordinator.from_state of the same checkpoint).
+
+        The finished groups come back; every group dispatched but neither finished nor consumed
+        (trained, filtered or dropped) when the checkpoint was taken is queued in the
+        coordinator for dispatch again. A consumed group is never dispatched again.
+        """
+        buf = cls(
+            coordinator,
+            stale_policy=stale_policy,
+            filter_zero_advantage=filter_zero_advantage,
+            start_group=int(state.get("next_group", 0)),
+            max_filtered_factor=max_filtered_factor,
+        )
+        buf.counts.update(state.get("counts", {}))
+        buf.consumed = {int(i) for i in state.get("consumed", [])}
+        for g in groups.values() if isinstance(groups, Mapping) else groups:
+            gid = g.group_id
+            if gid in buf.groups or gid < buf.next_group or gid in buf.consumed:
+                raise ValueError(f"checkpoint holds group {gid} twice, or consumed and finished")
+            buf.groups[gid] = g
+        coordinator.resume_in_flight(buf.next_group, set(buf.groups) | buf.consumed)
+        return buf
 
     def metrics(self) -> dict[str, float]:
         """Counts and the bias monitor (trained vs finished: length and reward means)."""

@@ -1,75 +1,49 @@
 """Orbax checkpoints of the learner state plus everything a resumed run needs.
 
 A checkpoint at version v holds: params and optimizer state (sharded arrays, StandardSave),
-and a JSON `meta` item with the version, the stage, the data cursor (next group to consume),
-the admission state (freed slots, groups to re-dispatch) and counters. Finished but untrained
-groups are written next to it as `groups.npz`, so a resumed run loses no finished episode and
-re-dispatches only what was in flight.
+and a JSON `meta` item with the version, the stage, and the Coordinator's and GroupBuffer's
+state() (data cursor, admission state, counters). Finished but untrained groups are written
+next to it as `groups_<step>.npz` (the arrays of rl.types.groups_to_arrays), so a resumed run
+loses no finished episode and re-dispatches only what was in flight.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Iterable, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from rl.types import Episode, EpisodeGroup
-
-_EPISODE_ARRAYS = ("tokens", "loss_mask", "behavior_logp", "versions")
-_EPISODE_SCALARS = (
-    "problem_id",
-    "prompt_len",
-    "reward",
-    "correct",
-    "formatted",
-    "finish_reason",
-    "num_turns",
-    "completion_text",
-)
+from rl.types import EpisodeGroup, groups_from_arrays, groups_to_arrays
 
 
-def save_groups(path: str, groups: dict[int, EpisodeGroup]) -> None:
-    """Writes groups as flat numpy arrays (npz) plus a JSON index of scalars."""
-    arrays, index = {}, []
-    for gid, g in groups.items():
-        eps = []
-        for j, e in enumerate(g.episodes):
-            for name in _EPISODE_ARRAYS:
-                arrays[f"{gid}_{j}_{name}"] = getattr(e, name)
-            eps.append({k: getattr(e, k) for k in _EPISODE_SCALARS})
-        index.append(
-            {
-                "group_id": gid,
-                "problem_id": g.problem_id,
-                "dispatch_version": g.dispatch_version,
-                "episodes": eps,
-            }
-        )
-    arrays["__index__"] = np.frombuffer(json.dumps(index).encode(), np.uint8)
+def save_groups(path: str, groups: Mapping[int, EpisodeGroup] | Iterable[EpisodeGroup]) -> None:
+    """Writes groups (by group number or as a sequence) to an npz of groups_to_arrays' arrays.
+
+    Written to a temporary file and renamed: a reader sees the old file or the whole new one.
+    """
+    if isinstance(groups, Mapping):
+        groups = groups.values()
     tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
+    np.savez(tmp, **groups_to_arrays(list(groups)))
     os.replace(tmp, path)
 
 
 def load_groups(path: str) -> dict[int, EpisodeGroup]:
-    """Reads groups written by save_groups."""
+    """{group number: EpisodeGroup} of a save_groups file ({} if there is none); no pickle."""
     if not os.path.exists(path):
         return {}
-    with np.load(path) as z:
-        index = json.loads(bytes(z["__index__"]).decode())
-        out = {}
-        for item in index:
-            gid = item["group_id"]
-            eps = tuple(
-                Episode(**{k: z[f"{gid}_{j}_{k}"] for k in _EPISODE_ARRAYS}, **scal)
-                for j, scal in enumerate(item["episodes"])
-            )
-            out[gid] = EpisodeGroup(gid, item["problem_id"], eps, item["dispatch_version"])
-    return out
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    if "__index__" in arrays:
+        raise ValueError(
+            f"{path} is a groups file of the format before groups_to_arrays (a JSON index); "
+            "resume this checkpoint with the code that wrote it"
+        )
+    return {g.group_id: g for g in groups_from_arrays(arrays)}
 
 
 class Checkpointer:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Iterable, Mapping
 
 
 class DeadlineError(TimeoutError):
@@ -117,11 +118,50 @@ class Coordinator:
             self._cond.notify_all()
 
     def state(self) -> dict:
-        """What a checkpoint needs to resume admission."""
+        """The admission state a checkpoint keeps (JSON-able): groups dispatched so far (the next
+        number), slots freed, groups redispatched. Requeued groups are not in it: on resume,
+        GroupBuffer.from_state re-dispatches every group that was in flight, requeued included.
+        """
         with self._cond:
             return {
-                "next_group": self.next_group,
-                "retry": list(self.retry),
-                "dropped": self.freed,
+                "dispatched": self.next_group,
+                "freed": self.freed,
                 "redispatched": self.redispatched,
             }
+
+    @classmethod
+    def from_state(
+        cls,
+        state: Mapping,
+        *,
+        groups_per_update: int,
+        max_staleness: int,
+        published_version: int = 0,
+        total_groups: int | None = None,
+    ) -> Coordinator:
+        """The coordinator of a checkpoint's state() ({}: a fresh one). Give it, with the
+        checkpoint's buffer state and groups, to GroupBuffer.from_state, which queues the groups
+        that were in flight for dispatch."""
+        c = cls(
+            groups_per_update,
+            max_staleness,
+            start_group=int(state.get("dispatched", 0)),
+            published_version=published_version,
+            total_groups=total_groups,
+        )
+        c.freed = int(state.get("freed", 0))
+        c.redispatched = int(state.get("redispatched", 0))
+        return c
+
+    def resume_in_flight(self, cursor: int, done: Iterable[int]) -> None:
+        """On resume (GroupBuffer.from_state): every group numbered from `cursor` (the buffer's
+        consume cursor, below which all were consumed) up to the dispatch count that is not in
+        `done` (finished or consumed when the checkpoint was taken) was in flight, and is
+        dispatched again first, lowest number first. A group in `done` counts as dispatched.
+        Not counted as redispatched: the checkpoint, not a failure, lost them.
+        """
+        done = set(done)
+        with self._cond:
+            self.next_group = max(self.next_group, cursor, max(done, default=-1) + 1)
+            self.retry.extend(i for i in range(cursor, self.next_group) if i not in done)
+            self._cond.notify_all()

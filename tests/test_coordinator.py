@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -160,7 +161,7 @@ def test_requeue_redispatches_same_numbers_first():
     assert c.redispatched == 2 and c.capacity() == 1 + 2
     assert c.admit(1, timeout=0.01) == [(0, 1)]
     assert c.admit(5, timeout=0.01) == [(1, 1), (3, 1)]
-    assert c.state() == {"next_group": 4, "retry": [], "dropped": 0, "redispatched": 2}
+    assert not c.retry and c.state() == {"dispatched": 4, "freed": 0, "redispatched": 2}
 
 
 def test_requeue_admits_past_a_full_window():
@@ -244,12 +245,12 @@ def test_drop_policy_counts_drops():
     buf.put(group(3, [0, 1], version=3))  # 4 - 3 = 1 == eta: kept
     assert ids(buf.get_batch(1, 4, timeout=0.01)) == [0]  # version 3, lowest number first
     assert buf.counts["dropped"] == 2 and c.freed == 2
-    assert buf.state()["next_group"] == 3 and buf.state()["consumed"] == []
+    assert buf.state()[0]["next_group"] == 3 and buf.state()[0]["consumed"] == []
     assert ids(buf.get_batch(1, 4, timeout=0.01)) == [3]
     assert buf.counts == {"filtered": 0, "dropped": 2, "trained": 2, "finished": 4}
     buf.put(group(5, [0, 1], version=4))
     assert ids(buf.get_batch(1, 4, timeout=0.01)) == [5]
-    assert buf.state()["next_group"] == 4 and buf.state()["consumed"] == [5]
+    assert buf.state()[0]["next_group"] == 4 and buf.state()[0]["consumed"] == [5]
     with pytest.raises(ValueError, match="group 5 was already delivered"):
         buf.put(group(5, [0, 1], version=4))
 
@@ -315,3 +316,126 @@ def test_bias_metrics_hand_values():
         "bias/reward_gap": -0.25,
     }
     assert m == pytest.approx(want)
+
+
+# -- checkpoint state and resume -----------------------------------------------------------------
+def restore(coord: Coordinator, buf: GroupBuffer, published_version: int):
+    """The pair a resume builds from a checkpoint of (coord, buf), meta through JSON as on disk."""
+    bstate, groups = buf.state()
+    meta = json.loads(json.dumps({"coordinator": coord.state(), "buffer": bstate}))
+    c = Coordinator.from_state(
+        meta["coordinator"],
+        groups_per_update=coord.B,
+        max_staleness=coord.eta,
+        published_version=published_version,
+    )
+    b = GroupBuffer.from_state(
+        c, meta["buffer"], groups, stale_policy=buf.stale_policy, filter_zero_advantage=buf.filter
+    )
+    return c, b
+
+
+def test_state_round_trip():
+    """state -> (JSON) -> from_state -> state is the identity, for both; groups come back."""
+    c = Coordinator(2, 1)
+    buf = GroupBuffer(c, stale_policy="drop")
+    c.admit(4, timeout=0.01)
+    for gid, r, v in [(1, [0, 1], 0), (2, [1, 1], 1), (3, [0, 1], 1), (0, [1, 0], 2)]:
+        buf.put(group(gid, r, version=v))
+    assert ids(buf.get_batch(1, 2, timeout=0.01)) == [3]  # 1 dropped, 2 filtered, 3 trained
+    c.requeue([0])  # finished and delivered, but a worker thought it lost
+    bstate, groups = buf.state()
+    assert bstate == {
+        "next_group": 0,
+        "consumed": [1, 2, 3],
+        "counts": {"filtered": 1, "dropped": 1, "trained": 1, "finished": 4},
+    }
+    assert c.state() == {"dispatched": 4, "freed": 2, "redispatched": 1}
+    c2, b2 = restore(c, buf, published_version=0)
+    assert c2.state() == c.state()
+    b2state, groups2 = b2.state()
+    assert b2state == bstate and groups2 == groups and groups2[0] is groups[0]
+    assert list(c2.retry) == []  # 0 is finished: not dispatched again
+    fresh_c, fresh_b = restore(Coordinator(2, 1), GroupBuffer(Coordinator(2, 1)), 0)
+    assert fresh_c.state() == Coordinator(2, 1).state() and not fresh_c.retry
+    assert fresh_b.state() == GroupBuffer(Coordinator(2, 1)).state()
+    empty = Coordinator.from_state({}, groups_per_update=2, max_staleness=1)
+    assert empty.state() == Coordinator(2, 1).state()
+    assert GroupBuffer.from_state(empty, {}, {}).state() == GroupBuffer(empty).state()
+
+
+def test_resume_drop_redispatches_exactly_in_flight():
+    """Drop policy, filtering: the restored pair dispatches again exactly the groups in flight
+    (a requeued one and one a worker still ran), never a consumed one, then new groups under
+    the same admission bound as the original."""
+    c = Coordinator(2, 1)
+    buf = GroupBuffer(c, stale_policy="drop")
+    assert ids_of(c.admit(4, timeout=0.01)) == [0, 1, 2, 3]
+    c.publish(1)
+    assert ids_of(c.admit(5, timeout=0.01)) == [4, 5]
+    buf.put(group(1, [0, 1], version=0))  # 2 - 0 > eta: dropped
+    buf.put(group(2, [1, 1], version=1))  # zero advantage: filtered
+    buf.put(group(4, [0, 1], version=1))  # trained
+    buf.put(group(5, [1, 0], version=1))  # finished, waits in the buffer
+    assert ids(buf.get_batch(1, 2, timeout=0.01)) == [4]
+    assert c.freed == 2 and buf.state()[0]["consumed"] == [1, 2, 4]  # cursor still at 0
+    c.requeue([3])  # 3's worker died; 0 is still running
+    c.publish(2)
+    c2, b2 = restore(c, buf, published_version=2)
+    assert list(c2.retry) == [0, 3]
+    assert c2.capacity() - len(c2.retry) == c.capacity() - len(c.retry) == 4  # 8 + 2 - 6
+    assert c2.admit(10, timeout=0.01) == [(0, 2), (3, 2), (6, 2), (7, 2), (8, 2), (9, 2)]
+    assert c.admit(10, timeout=0.01) == [(3, 2), (6, 2), (7, 2), (8, 2), (9, 2)]
+    assert c2.capacity() == c.capacity() == 0
+    for gid in (1, 2, 4, 5):  # consumed, or finished and restored
+        with pytest.raises(ValueError, match=f"group {gid} was already delivered"):
+            b2.put(group(gid, [0, 1], version=2))
+    b2.put(group(0, [0, 1], version=2))
+    b2.put(group(3, [1, 0], version=2))
+    assert ids(b2.get_batch(3, 2, timeout=0.01)) == [5, 0, 3]  # oldest tokens first
+    assert b2.state()[0] == {
+        "next_group": 6,
+        "consumed": [],
+        "counts": {"filtered": 1, "dropped": 1, "trained": 4, "finished": 6},
+    }
+    assert c2.state() == {"dispatched": 10, "freed": 2, "redispatched": 1}
+
+
+def test_resume_keep_redispatches_exactly_in_flight():
+    """Keep policy: the cursor and the buffered groups decide; training order is unchanged."""
+    c = Coordinator(2, 1)
+    buf = GroupBuffer(c)
+    c.admit(4, timeout=0.01)
+    for gid, r in [(0, [1, 1]), (1, [0, 1]), (3, [0, 1])]:
+        buf.put(group(gid, r))
+    assert ids(buf.get_batch(1, 0, timeout=0.01)) == [1]  # 0 filtered
+    assert c.admit(5, timeout=0.01) == [(4, 0)]  # the freed slot
+    c2, b2 = restore(c, buf, published_version=0)
+    assert list(c2.retry) == [2, 4]
+    assert c2.capacity() - len(c2.retry) == c.capacity() - len(c.retry) == 0
+    assert c2.admit(5, timeout=0.01) == [(2, 0), (4, 0)] and c2.capacity() == 0
+    with pytest.raises(ValueError, match="group 1 was already delivered"):
+        b2.put(group(1, [0, 1]))
+    b2.put(group(4, [0, 1]))
+    b2.put(group(2, [0, 1]))
+    assert ids(b2.get_batch(3, 0, timeout=0.01)) == [2, 3, 4]
+    c2.publish(1)
+    assert ids_of(c2.admit(5, timeout=0.01)) == [5, 6]  # (1 + 1 + 1) * 2 + 1 - 5
+
+
+def test_from_state_rejects_inconsistent_checkpoint():
+    """A group both consumed and finished (or below the cursor) in a checkpoint is an error."""
+    c = Coordinator.from_state({"dispatched": 4}, groups_per_update=2, max_staleness=1)
+    with pytest.raises(ValueError, match="group 1"):
+        GroupBuffer.from_state(c, {"next_group": 2}, [group(1, [0, 1])])
+    with pytest.raises(ValueError, match="group 3"):
+        GroupBuffer.from_state(c, {"next_group": 0, "consumed": [3]}, {3: group(3, [0, 1])})
+
+
+def test_resume_counts_a_group_past_the_dispatch_count_as_dispatched():
+    """A checkpoint whose buffer holds a group past the coordinator's count (its state taken
+    first, the group admitted and finished after) does not hand that number out again."""
+    c = Coordinator.from_state({"dispatched": 2}, groups_per_update=2, max_staleness=1)
+    GroupBuffer.from_state(c, {"next_group": 0}, {2: group(2, [0, 1])})
+    assert list(c.retry) == [0, 1] and c.state()["dispatched"] == 3
+    assert ids_of(c.admit(5, timeout=0.01)) == [0, 1, 3]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import json
 import threading
 import time
 
@@ -204,6 +205,27 @@ def check_batch(rec: Record, k: int, groups: list[EpisodeGroup]) -> None:
         rec.trained.append((k, g))
 
 
+def check_resume(rec: Record) -> None:
+    """A checkpoint of the pair now (its state through JSON, the buffered groups) restores a
+    pair with the same state that dispatches again exactly the groups in flight or requeued,
+    never a finished or consumed one, under the same admission bound."""
+    coord, buf = rec.coord, rec.buffer
+    bstate, groups = buf.state()
+    meta = json.loads(json.dumps({"coordinator": coord.state(), "buffer": bstate}))
+    c2 = Coordinator.from_state(
+        meta["coordinator"],
+        groups_per_update=coord.B,
+        max_staleness=coord.eta,
+        published_version=coord.published_version,
+    )
+    b2 = GroupBuffer.from_state(
+        c2, meta["buffer"], groups, stale_policy=buf.stale_policy, filter_zero_advantage=buf.filter
+    )
+    assert c2.state() == coord.state() and b2.state() == (bstate, groups)
+    assert list(c2.retry) == sorted(rec.in_flight | set(coord.retry)), "resume re-dispatch"
+    assert c2.capacity() - len(c2.retry) == coord.capacity() - len(coord.retry)
+
+
 def check_run(rec: Record, updates: int) -> None:
     """End-of-run checks: termination, nothing lost or duplicated, keep drops nothing."""
     coord, buf = rec.coord, rec.buffer
@@ -231,6 +253,7 @@ def check_run(rec: Record, updates: int) -> None:
     assert not finished & (rec.in_flight | set(coord.retry))
     # The buffer's consume cursor (what a resume re-dispatches from) agrees.
     assert trained | consumed_untrained == set(range(buf.next_group)) | buf.consumed
+    check_resume(rec)
     if rec.stale_policy == "keep":
         assert c["dropped"] == 0 and not buf.consumed
         assert ids == sorted(ids), "keep must train in dispatch order"
@@ -351,6 +374,7 @@ def simulate(sim: Sim) -> Record:
             elif kind == "restart":
                 alive[p] = True
             elif kind == "update":
+                check_resume(rec)  # a checkpoint between updates, as the trainer takes it
                 version += 1
                 rec.updates_done = version
                 if p:
