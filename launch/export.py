@@ -192,13 +192,15 @@ def import_hf(hf_dir: str, checkpoint_dir: str, *, config_path: str | None = Non
     mesh = make_mesh(devices=jax.devices()[:1])
     model = load_hf(hf_dir, mesh=mesh, param_dtype=expected.param_dtype)
     learner = Learner(model, rl_optimizer(cfg), mesh=mesh)
+    from rl.buffer import GroupBuffer
+    from rl.coordinator import Coordinator
+
+    coord = Coordinator(1, 0)  # a fresh run's admission and buffer state
     meta = {
         "step": 0,
         "version": 0,
-        "next_group": 0,
-        "dispatched": 0,
-        "freed": 0,
-        "counts": {},
+        "coordinator": coord.state(),
+        "buffer": GroupBuffer(coord).state()[0],
         "sft_done": True,
         "source": hf_dir,
     }

@@ -393,7 +393,7 @@ def _check_choice(path: str, value: Any, f: dataclasses.Field) -> None:
 
 
 def build_section(cls: type, data: dict, prefix: str = "") -> Any:
-    """A dataclass section from a dict: types coerced, unknown keys and bad values as ConfigError."""
+    """A dataclass section from a dict: coerced types; unknown keys, bad values: ConfigError."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     names = list(fields)

@@ -175,9 +175,9 @@ class Trainer:
 
     def save(self, step: int, coord: Coordinator, buffer: GroupBuffer) -> None:
         """A checkpoint: learner state, the coordinator's and buffer's state, finished groups."""
+        bstate, groups = buffer.state()
         meta = {"step": step, "version": self.learner.version, "sft_done": True}
-        meta.update(coordinator=coord.state(), buffer=buffer.state())
-        groups = buffer.finished_groups()
+        meta.update(coordinator=coord.state(), buffer=bstate)
         if self.remote:  # the learner actor writes its checkpoint
             self.learner.save(step, meta, groups)
         else:
@@ -206,23 +206,22 @@ class Trainer:
         if self.cores and cfg.sft.steps > 0 and not self.remote:
             pin_learner(self.cores.learner)  # after the warm start, before the rollout process
         start = self.learner.version
-        if self.restored is None:
-            coord = Coordinator(self.B, self.eta, published_version=start)
-            buffer = GroupBuffer(
-                coord,
-                stale_policy=t.stale_policy,
-                filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
-            )
-        else:
-            meta, groups = self.restored
-            coord = Coordinator.from_state(meta["coordinator"], self.B, self.eta)
-            buffer = GroupBuffer.from_state(
-                coord,
-                meta["buffer"],
-                groups,
-                stale_policy=t.stale_policy,
-                filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
-            )
+        # Finished groups from a checkpoint come back; what was in flight is dispatched again
+        # (never a group already consumed: trained, filtered or dropped).
+        meta, groups = self.restored or ({}, {})
+        coord = Coordinator.from_state(
+            meta.get("coordinator", {}),
+            groups_per_update=self.B,
+            max_staleness=self.eta,
+            published_version=start,
+        )
+        buffer = GroupBuffer.from_state(
+            coord,
+            meta.get("buffer", {}),
+            groups,
+            stale_policy=t.stale_policy,
+            filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
+        )
         rollout, engine, evaluator = self._make_rollout()
         if on_engine is not None:
             on_engine(engine)

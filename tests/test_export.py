@@ -139,7 +139,8 @@ def test_hf_to_orbax_resumes_training(run_dir, hf_dir, tmp_path):
     opt_leaves = jax.tree.leaves(opt)
     assert opt_leaves and all(not np.asarray(x).any() for x in opt_leaves)  # moments, counts 0
     step, meta = E.read_meta(ckpt)
-    assert (step, meta["version"], meta["next_group"]) == (0, 0, 0)
+    assert (step, meta["version"], meta["buffer"]["next_group"]) == (0, 0, 0)
+    assert meta["coordinator"]["dispatched"] == 0
     assert os.path.exists(os.path.join(new_run, "tokenizer", "tokenizer.json"))
 
     cfg = C.load(config)

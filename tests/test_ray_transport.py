@@ -127,8 +127,7 @@ def test_pack_unpack_round_trip():
     n_tokens = (3 + 5) + (4 + 0) + (2 + 6)
     per_token = [k for k, v in batch.items() if v.size == n_tokens]
     assert sorted(per_token) == ["behavior_logp", "loss_mask", "tokens", "versions"]
-    strings = [v for v in batch.values() if v.dtype.kind in "USO"]
-    assert strings and all(v.size <= 3 for v in strings)  # per episode or group, not per token
+    assert all(v.dtype != object for v in batch.values())  # numpy only, no pickled objects
     back = groups_from_arrays(batch)
     assert [(g.group_id, g.problem_id, g.dispatch_version) for g in back] == [
         (7, "p", 3),
@@ -294,7 +293,7 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     def save_with_buffered(step, coord, buffer):
         if step == first:  # make the scenario certain: a finished, untrained group exists
             t0 = time.perf_counter()
-            while not buffer.finished_groups() and time.perf_counter() - t0 < 60:
+            while not buffer.state()[1] and time.perf_counter() - t0 < 60:
                 time.sleep(0.05)
         return save(step, coord, buffer)
 
