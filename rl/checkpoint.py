@@ -132,9 +132,8 @@ def restore_params(directory: str, step: int | None = None) -> dict:
         step = mgr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {directory}")
-        # Restore arguments from the item's own metadata: on an H200 host a 0.5B checkpoint's
-        # params came back in 1.6-1.8 s where StandardRestore() without a target took 2.9-3.6 s
-        # (page cache warm for both; inside `launch.bench publish`, 3.0-3.4 s against 4.2-4.5 s).
+        # Restore arguments from the item's own metadata: faster than StandardRestore() without
+        # a target (docs/benchmarks.md, publication).
         meta = mgr.item_metadata(step)["params"]
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
         restored = mgr.restore(

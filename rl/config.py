@@ -117,7 +117,7 @@ class SFTSection:
     schedule: Literal["constant", "cosine"] = F(
         "constant",
         "supervised schedule after warmup (cosine decay leaves a sharp minimum that RL steps "
-        "at lr >= 1e-4 fall out of: README 'Main job')",
+        "fall out of)",
     )
     continue_optimizer: bool = F(
         False, "RL keeps the warm start's optimizer moments (one optimizer for both stages)"

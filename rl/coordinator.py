@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Iterable, Mapping
 
 
@@ -52,7 +51,6 @@ class Coordinator:
         self.stopped = False
         self.engine_versions: dict[str, int] = {}
         self._cond = threading.Condition()
-        self.wait_time = 0.0  # seconds rollout workers spent waiting for admission
 
     def capacity(self) -> int:
         """Groups that may be dispatched now."""
@@ -66,10 +64,8 @@ class Coordinator:
 
         Returns [] once stop() was called; raises DeadlineError after `timeout` seconds.
         """
-        t0 = time.perf_counter()
         with self._cond:
             ok = self._cond.wait_for(lambda: self.stopped or self.capacity() > 0, timeout)
-            self.wait_time += time.perf_counter() - t0
             if self.stopped:
                 return []
             if not ok:

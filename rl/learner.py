@@ -223,7 +223,6 @@ class Learner:
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         self._train = self._compile_train(step_cfg)
         self._logp = None
-        self.compile_count = 0
 
     # -- model access ---------------------------------------------------------------------
     @property

@@ -29,7 +29,6 @@ MAX_STALENESS_BIN = 8  # staleness/frac_0 .. frac_8, plus frac_gt8
 # Metric names the progress bar, the analysis plots and the trainer agree on.
 REWARD = "reward/mean"
 EVAL_ACCURACY = "eval/accuracy"
-EVAL_REWARD = "eval/reward"
 TOKENS_PER_S = "throughput/tokens_per_s"
 WEIGHT_SYNC = "timing/weight_sync"
 IDLE_LEARNER = "idle/learner"

@@ -20,9 +20,6 @@ class ParamServerActor:
     def __init__(self, log_path: str = "", hf: dict | None = None):
         self.log_path = log_path
         redirect_output(log_path)
-        self.version = -1
-        self.weights: list = []
-        self.published = 0
         self.server = None
         if hf is not None:  # vLLM workers: each version becomes a published HF directory
             from models.params import abstract_params
@@ -59,7 +56,6 @@ class ParamServerActor:
 
         t0 = time.perf_counter()
         send = self.write(version, weights) if self.server is not None else weights[0]
-        self.version, self.weights = version, [send]
         refs = [w.update_weights.remote(version, send) for w in workers]
         install, skipped = 0.0, 0
         for w, r in zip(workers, refs):
@@ -74,14 +70,9 @@ class ParamServerActor:
                     skipped += 1
                     continue
                 raise
-        self.published += 1
         return {
             "install_s": install,
             "skipped": skipped,
             "total_s": time.perf_counter() - t0,
             "weights": [send],
         }
-
-    def latest(self) -> tuple[int, list]:
-        """(newest version, [its weights: an ObjectRef, or an HF directory for vLLM])."""
-        return self.version, self.weights

@@ -34,7 +34,6 @@ from rl.rollout.base import (
     UPDATE_MODES,
     Generation,
     GenerationRequest,
-    SamplingParams,
     Weights,
     WeightUpdate,
 )
@@ -394,10 +393,3 @@ class JaxEngine:
     def close(self) -> None:
         """Ends in-flight generation (nothing else to release in process)."""
         self.abort()
-
-
-def greedy(max_new_tokens: int, stop_token_ids=()) -> SamplingParams:
-    """Sampling params for greedy decoding."""
-    return SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids)
-    )

@@ -234,11 +234,9 @@ class VLLMHost:
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         log_file.write(f"$ {' '.join(cmd)}\n".encode())
         log_file.flush()
-        # Its own process group (stop() ends the engine core too), but the caller's session:
-        # in a session of its own, Linux's autogroup scheduler gave the busy server's group a
-        # share that starved the caller (the trainer, the test) for up to 21 s at a time while
-        # one long request decoded (measured on this 2-core machine: 0.1 s sleeps of the
-        # caller overshot by up to 21.4 s in its own session, never by 0.5 s in the caller's).
+        # Its own process group (stop() ends the engine core too), but the caller's session: in
+        # a session of its own, Linux's autogroup scheduler gives the busy server a share that
+        # starves the caller while a long request decodes (docs/vllm.md).
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         if die_with_parent:
             group["preexec_fn"] = _die_with_parent_preexec(group.get("preexec_fn"))
