@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +33,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from rl import placement
+
+    try:  # what this host cannot run fails now, before the trainer's imports and any work
+        placement.prepare(cfg)
+    except C.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     from rl.trainer import train
 
-    summary = train(cfg, run_dir=args.run_dir, resume=args.resume)
+    try:
+        summary = train(cfg, run_dir=args.run_dir, resume=args.resume)
+    except C.ConfigError as e:  # a setting this host cannot run (found before any work)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the run was shut down (resume with --resume)", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the traceback, then the error itself, last
+        traceback.print_exc()
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     keys = ["eval/accuracy_start", "eval/accuracy_end", "sft/time", "time/total"]
     print(json.dumps({k: summary.get(k) for k in keys}))
     return 0

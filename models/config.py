@@ -9,6 +9,7 @@ MODEL_TYPES = ("qwen2", "llama", "qwen3")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
+MATMUL_PRECISIONS = ("auto", "highest", "high", "default")
 ROPE_TYPES = ("linear", "llama3")  # besides "default" (stored as rope_scaling=None)
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
@@ -45,6 +46,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention_impl: str = "xla"  # "cudnn" needs a GPU and bfloat16 compute
     remat: str = "none"  # per-layer rematerialisation policy
+    # auto: "highest" (true float32 matmuls) for float32 compute, the backend's fast path
+    # ("default": TF32 on GPUs, bf16 passes on TPUs) for bfloat16 compute.
+    matmul_precision: str = "auto"
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -105,6 +109,7 @@ class ModelConfig:
             ("param_dtype", DTYPES),
             ("attention_impl", ATTENTION_IMPLS),
             ("remat", REMAT_POLICIES),
+            ("matmul_precision", MATMUL_PRECISIONS),
         ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not valid; use one of {valid}")
@@ -122,6 +127,13 @@ class ModelConfig:
                 for f in dataclasses.fields(self)
             )
         )
+
+    @property
+    def precision(self) -> str:
+        """The jax matmul precision of this model's computations (matmul_precision resolved)."""
+        if self.matmul_precision != "auto":
+            return self.matmul_precision
+        return "highest" if self.dtype == "float32" else "default"
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""

@@ -247,6 +247,17 @@ def _write_slot(cache_BSKH: jax.Array, new_B1KH: jax.Array, positions_B: jax.Arr
     return jax.vmap(update)(cache_BSKH, new_B1KH.astype(cache_BSKH.dtype), positions_B)
 
 
+def _precise(method):
+    """Runs a model method under the config's matmul precision (float32 means float32)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with jax.default_matmul_precision(self.config.precision):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Transformer(nnx.Module):
     """Causal LM: `model(tokens[B, T], positions, segment_ids) -> logits[B, T, V]` (float32)."""
 
@@ -284,6 +295,7 @@ class Transformer(nnx.Module):
             "btd,dv->btv", h_BTD, self.lm_head_kernel(), preferred_element_type=jnp.float32
         )
 
+    @_precise
     def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         """Final-norm hidden states h[B, T, D] (compute dtype) of tokens[B, T].
 
@@ -305,10 +317,12 @@ class Transformer(nnx.Module):
             x_BTD = block(layer, x_BTD, rope, mask_B1TS)
         return self.model.norm(x_BTD)
 
+    @_precise
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         """Logits[B, T, V] in float32 of tokens[B, T] (arguments as in hidden_states)."""
         return self._logits(self.hidden_states(tokens, positions, segment_ids))
 
+    @_precise
     def prefill(
         self, tokens, lengths, cache: KVCache, *, last_only: bool = False
     ) -> tuple[jax.Array, KVCache]:
@@ -342,6 +356,7 @@ class Transformer(nnx.Module):
             return self._logits(h_B1D)[:, 0], cache
         return self._logits(h_BTD), cache
 
+    @_precise
     def decode(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
 

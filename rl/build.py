@@ -10,7 +10,6 @@ import dataclasses
 import os
 import zlib
 
-import jax
 import optax
 
 from models import sharding as msh
@@ -19,7 +18,7 @@ from rl import config as C
 from rl.algorithms import losses as L
 from rl.checkpoint import Checkpointer
 from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule
-from rl.placement import CoreSplit, DeviceSplit
+from rl.placement import Placement
 from rl.rollout.base import SamplingParams
 
 
@@ -62,6 +61,7 @@ def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
         param_dtype=cfg.model.param_dtype,
         attention_impl=cfg.model.attention_impl,
         remat=cfg.model.remat,
+        matmul_precision=cfg.model.matmul_precision,
     )
 
 
@@ -153,7 +153,7 @@ def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
     if cfg.model.init == "hf":
         from models import load_hf
 
-        return load_hf(cfg.model.path, mesh=mesh)
+        return load_hf(cfg.model.path, mesh=mesh, matmul_precision=cfg.model.matmul_precision)
     return msh.create_model(model_config(cfg, vocab_size), mesh, seed=cfg.seed)
 
 
@@ -202,19 +202,13 @@ def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: st
 
 
 def make_engine(
-    cfg: C.RunConfig,
-    learner: Learner,
-    *,
-    split: DeviceSplit | None = None,
-    cores: CoreSplit | None = None,
-    param_server=None,
-    run_dir: str = "",
+    cfg: C.RunConfig, learner: Learner, place: Placement, *, param_server=None, run_dir: str = ""
 ):
     """The local transport's rollout engine, serving the learner's current weights.
 
     vLLM hosts (launched here, or rollout.vllm.urls) reload from the parameter server's
-    directories; the JAX sampler runs in its own process on a CPU (trainer.pin_cores /
-    rollout_process), else in this process (on trainer.rollout_devices if given).
+    directories; the JAX sampler runs where `place` says (a process of its own, beside the
+    learner, or on rollout devices of its own).
     """
     t = cfg.trainer
     common = dict(
@@ -253,17 +247,14 @@ def make_engine(
             engine.update_weights(version, path).wait()
         param_server.served("engine", version)
         return engine
-    if cores is not None or t.rollout_process:
-        if jax.default_backend() != "cpu":
-            key = "pin_cores" if cores is not None else "rollout_process"
-            raise C.ConfigError(
-                f"trainer.{key}: true needs the CPU backend, got {jax.default_backend()!r}"
-            )
+    if place.kind == "process":
         from rl.rollout.process_engine import ProcessEngine
 
-        return ProcessEngine(learner.model, cores=cores.rollout if cores else (), **common)
+        cores = place.cores.rollout if place.cores else ()
+        return ProcessEngine(learner.model, cores=cores, **common)
     from rl.rollout.jax_engine import JaxEngine
 
+    split = place.split
     return JaxEngine(
         learner.model,
         devices=split.rollout if split else None,

@@ -90,6 +90,11 @@ class ModelSection:
     remat: Literal["none", "full", "dots_saveable"] = F(
         "none", "rematerialisation policy per layer"
     )
+    matmul_precision: Literal["auto", "highest", "high", "default"] = F(
+        "auto",
+        "matmul precision of learner, sampler and log-probs: auto = highest (true float32) for "
+        "float32 compute, the backend's fast path (default: TF32 on GPUs) for bfloat16",
+    )
     overrides: dict[str, Any] = F(
         {}, "shape fields replacing the preset's (e.g. {hidden_size: 256, num_hidden_layers: 4})"
     )
@@ -248,10 +253,11 @@ class TrainerSection:
     pin_cores: bool = F(
         False, "CPU: run rollout and learner in processes pinned to their own cores"
     )
-    rollout_process: bool = F(
-        False,
-        "CPU: run the JAX rollout engine in its own process, unpinned, sharing every core "
-        "with the learner (pin_cores: true pins it instead)",
+    placement: Literal["auto", "process", "in_process", "split"] = F(
+        "auto",
+        "where the JAX rollout engine runs: process (CPU: a process of its own; pin_cores pins "
+        "it), in_process (beside the learner, on its devices), split (on rollout_devices); "
+        "auto: process on a CPU, in_process with one accelerator, split with two or more",
     )
     rollout_cores: list[int] = F([0], "pin_cores: CPU cores of the rollout process")
     learner_cores: list[int] = F(
@@ -470,16 +476,26 @@ def _check_ranges(cfg: RunConfig) -> None:
     _check_model_overrides(cfg)
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
-    for key in ("pin_cores", "rollout_process"):
-        if getattr(cfg.trainer, key) and cfg.rollout.engine != "jax":
-            raise ConfigError(
-                f"trainer.{key}: true needs rollout.engine 'jax' (the rollout process runs the "
-                f"JAX sampler), got {cfg.rollout.engine!r}"
-            )
-    if cfg.trainer.rollout_process and cfg.trainer.transport != "local":
+    t = cfg.trainer
+    if t.pin_cores and cfg.rollout.engine != "jax":
         raise ConfigError(
-            f"trainer.rollout_process: true needs trainer.transport 'local' (got "
-            f"{cfg.trainer.transport!r}, whose rollout workers are processes already)"
+            "trainer.pin_cores: true needs rollout.engine 'jax' (the rollout process runs the "
+            f"JAX sampler), got {cfg.rollout.engine!r}"
+        )
+    if t.placement in ("process", "split") and cfg.rollout.engine != "jax":
+        raise ConfigError(
+            f"trainer.placement: {t.placement!r} places the JAX sampler, but rollout.engine is "
+            f"{cfg.rollout.engine!r} (its hosts are the rollout); valid: auto, in_process"
+        )
+    if t.placement in ("process", "split") and t.transport != "local":
+        raise ConfigError(
+            f"trainer.placement: {t.placement!r} needs trainer.transport 'local' (got "
+            f"{t.transport!r}, whose rollout workers are Ray actors); valid: auto, in_process"
+        )
+    if t.pin_cores and t.placement in ("in_process", "split"):
+        raise ConfigError(
+            f"trainer.pin_cores: true pins a rollout process, but trainer.placement is "
+            f"{t.placement!r}; valid placements with pin_cores: auto, process"
         )
     _check_device_split(cfg)
     if cfg.trainer.transport == "ray":
@@ -607,8 +623,8 @@ def _check_device_split(cfg: RunConfig) -> None:
         why.append(f"rollout.engine 'jax' (got {cfg.rollout.engine!r})")
     if t.pin_cores:
         why.append("trainer.pin_cores false (pin_cores splits CPU cores between two processes)")
-    if t.rollout_process:
-        why.append("trainer.rollout_process false (a rollout process of its own)")
+    if t.placement in ("process", "in_process"):
+        why.append(f"trainer.placement 'auto' or 'split' (got {t.placement!r})")
     if why:
         raise ConfigError(
             f"trainer.rollout_devices: {t.rollout_devices} (an in-process rollout engine on its "

@@ -177,6 +177,16 @@ class StepConfig:
     needs_proximal: bool = False
 
 
+def policy_logprobs(model, b: dict, cfg: StepConfig):
+    """(log p(target), entropy) [B, T] of a batch under `model` at the step's temperature, in
+    the model's matmul precision."""
+    with jax.default_matmul_precision(model.config.precision):
+        h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
+        return token_logprobs(
+            h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
+        )
+
+
 def _batch_sharding(mesh):
     return msh.logical_sharding(mesh, ("batch", None))
 
@@ -245,14 +255,8 @@ class Learner:
         batch_sharding = _batch_sharding(self.mesh)
         spec = L.loss_spec(cfg.loss)
 
-        def policy_logp(model, b):
-            h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
-            return token_logprobs(
-                h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
-            )
-
         def loss_fn(model, b, num_tokens, num_seqs):
-            logp, entropy = policy_logp(model, b)
+            logp, entropy = policy_logprobs(model, b, cfg)
             prox = b.get("proximal_logp")
             if prox is None and cfg.needs_proximal:
                 prox = jax.lax.stop_gradient(logp)  # one minibatch: params at update start
@@ -333,10 +337,7 @@ class Learner:
 
         def logp(state, b):
             model, _ = nnx.merge(graphdef, state)
-            h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
-            return token_logprobs(
-                h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
-            )[0]
+            return policy_logprobs(model, b, cfg)[0]
 
         return jax.jit(logp, in_shardings=(self.state_sharding, _batch_sharding(self.mesh)))
 

@@ -102,6 +102,73 @@ def pin_learner(cores: tuple[int, ...] | list[int]) -> None:
     pin_threads(cores)
 
 
+PLACEMENTS = ("process", "in_process", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the local transport's rollout engine runs, resolved on this host.
+
+    process: a child process (pinned to `cores.rollout` with trainer.pin_cores); in_process: in
+    this process on the learner's devices; split: in this process on `split.rollout` devices,
+    the learner's mesh on `split.learner`. `config` is the run config with a mesh that fits.
+    """
+
+    kind: str
+    backend: str
+    config: C.RunConfig
+    cores: CoreSplit | None = None
+    split: DeviceSplit | None = None
+
+
+def resolve(cfg: C.RunConfig, *, backend: str | None = None, devices=None) -> Placement:
+    """trainer.placement on this host's backend and devices (auto: a process of its own on a
+    CPU, in process beside one accelerator, a device split with two or more).
+
+    Raises ConfigError naming the key, the backend and what is valid here; runs before any work.
+    """
+    import jax
+
+    t = cfg.trainer
+    devices = list(jax.devices() if devices is None else devices)
+    backend = backend or jax.default_backend()
+    here = f"the {backend!r} backend with {len(devices)} device(s)"
+    valid = ["auto", "in_process"] + (["process"] if backend == "cpu" else [])
+    valid += ["split"] if len(devices) >= 2 else []
+    kind = t.placement
+    if kind == "auto":
+        if t.rollout_devices:
+            kind = "split"
+        elif backend == "cpu":
+            kind = "process"
+        else:
+            kind = "split" if len(devices) >= 2 else "in_process"
+    if cfg.rollout.engine != "jax" or t.transport != "local":
+        kind = "in_process"  # vLLM hosts or Ray workers are the rollout; the evaluator is here
+    if kind not in valid:
+        need = "the CPU backend" if kind == "process" else "at least 2 devices"
+        raise C.ConfigError(
+            f"trainer.placement: {kind!r} needs {need}; this is {here}. "
+            f"Valid here: {', '.join(valid)}"
+        )
+    if t.pin_cores and backend != "cpu":
+        raise C.ConfigError(
+            f"trainer.pin_cores: true needs the CPU backend; this is {here}. Valid here: false"
+        )
+    cores = split_of(t) if t.pin_cores else None
+    if kind != "split":
+        return Placement(kind, backend, cfg, cores=cores)
+    if not t.rollout_devices:  # auto: the first device generates, the rest learn
+        t = dataclasses.replace(t, rollout_devices=[0])
+    m = cfg.learner.mesh
+    n_learner = len(t.learner_devices) or len(devices) - len(t.rollout_devices)
+    if (m.data, m.fsdp, m.tensor) == (1, 1, 1) and n_learner > 1:
+        m = dataclasses.replace(m, data=n_learner)  # every learner device, data parallel
+    learner = dataclasses.replace(cfg.learner, mesh=m)
+    cfg = dataclasses.replace(cfg, trainer=t, learner=learner)
+    return Placement(kind, backend, cfg, cores=cores, split=device_split(cfg, devices))
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSplit:
     """The local transport's devices: the rollout engine's and the learner mesh's (disjoint)."""
@@ -136,3 +203,12 @@ def device_split(cfg: C.RunConfig, devices=None) -> DeviceSplit | None:
     return DeviceSplit(
         tuple(devices[i] for i in t.rollout_devices), tuple(devices[i] for i in learner)
     )
+
+
+def prepare(cfg: C.RunConfig) -> Placement:
+    """Pins this process where the config asks (before JAX starts its backend: XLA sizes its
+    thread pool then), then resolves the placement. Cheap: run it before any work."""
+    t = cfg.trainer
+    if t.pin_cores and cfg.sft.steps == 0 and t.transport == "local":
+        pin_learner(split_of(t).learner)
+    return resolve(cfg)

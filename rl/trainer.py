@@ -11,13 +11,15 @@ rl/build.py (local transport) or rl/ray (ray transport).
 from __future__ import annotations
 
 import os
+import sys
 import time
+import traceback
 
 import jax
 import numpy as np
 
 from models.tokenizer import build_task_tokenizer, load_tokenizer
-from rl import build
+from rl import build, placement
 from rl import config as C
 from rl.algorithms import advantages as A
 from rl.buffer import GroupBuffer
@@ -26,7 +28,7 @@ from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate
 from rl.learner import train_batch
 from rl.metrics import MetricsWriter, dump_episodes, engine_metrics, update_row
-from rl.placement import device_split, pin_learner, split_of
+from rl.placement import pin_learner, split_of
 from rl.sft import warm_start_run
 from rl.tasks import get_task
 
@@ -35,7 +37,13 @@ class Trainer:
     """Builds a run from a RunConfig and trains it (supervised warm start, then RL)."""
 
     def __init__(self, cfg: C.RunConfig, *, run_dir: str | None = None, resume: bool = False):
-        self.cfg = cfg
+        self.ckpt = self.param_server = None
+        self._coord = self._engine = self._evaluator = self._dispatcher = None
+        self.owns_ray = self._closed = False
+        self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
+        self.cores = split_of(cfg.trainer) if cfg.trainer.pin_cores else None
+        self.place = placement.prepare(cfg)  # backend-dependent settings fail here, first
+        self.cfg = cfg = self.place.config
         self.run_dir = run_dir or os.path.join(cfg.run_root, cfg.name)
         os.makedirs(self.run_dir, exist_ok=True)
         C.dump(cfg, os.path.join(self.run_dir, "config.yaml"))
@@ -48,28 +56,26 @@ class Trainer:
         self._train_problems: list = []
         self.eta = build.effective_eta(cfg)
         self.B, self.n = cfg.rollout.prompts_per_update, cfg.rollout.group_size
-        self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
-        self.cores = split_of(cfg.trainer) if cfg.trainer.pin_cores else None
-        if self.cores and cfg.sft.steps == 0 and not self.remote:
-            pin_learner(self.cores.learner)  # before jax.devices(): XLA sizes its pool by it
-        self.split = self.ckpt = self.param_server = None
-        self.owns_ray = False
-        self.restored = self._start_remote(resume) if self.remote else self._start_local(resume)
-        step = self.restored[0]["step"] if self.restored else False
-        self.writer = MetricsWriter(
-            self.run_dir,
-            tensorboard=cfg.logging.tensorboard,
-            progress=cfg.logging.progress,
-            total_updates=cfg.trainer.total_updates,
-            resume=step,
-        )
+        try:
+            self.restored = self._start_remote(resume) if self.remote else self._start_local(resume)
+            step = self.restored[0]["step"] if self.restored else False
+            self.writer = MetricsWriter(
+                self.run_dir,
+                tensorboard=cfg.logging.tensorboard,
+                progress=cfg.logging.progress,
+                total_updates=cfg.trainer.total_updates,
+                resume=step,
+            )
+        except BaseException:
+            self.close()
+            raise
         self.episodes_dir = os.path.join(self.run_dir, "episodes")
         os.makedirs(self.episodes_dir, exist_ok=True)
 
     def _start_local(self, resume: bool):
         """The learner in this process, on this host's devices (or trainer.learner_devices)."""
-        self.split = device_split(self.cfg)
-        pool = self.split.learner if self.split else jax.devices()
+        split = self.place.split
+        pool = split.learner if split else jax.devices()
         _, self.learner, self.ckpt = build.make_learner(
             self.cfg, self.tokenizer.vocab_size, pool, self.run_dir
         )
@@ -82,32 +88,56 @@ class Trainer:
 
         cfg, r = self.cfg, self.cfg.trainer.ray
         self.owns_ray = connect(r.address, need_cpus=r.num_workers * r.worker_cpus + r.learner_cpus)
-        try:
-            self.learner = RemoteLearner(
-                cfg,
-                self.run_dir,
-                self.tokenizer.vocab_size,
-                cpus=r.learner_cpus,
-                gpus=r.learner_gpus,
-                cores=self.cores.learner if self.cores else (),
-                log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
-                deadline_s=cfg.trainer.deadline_s,
-                pass_env=self.owns_ray,  # a joined cluster's nodes keep their own environment
-            )
-            return self.learner.restore() if resume else None
-        except BaseException:
-            self.close()
-            raise
+        self.learner = RemoteLearner(
+            cfg,
+            self.run_dir,
+            self.tokenizer.vocab_size,
+            cpus=r.learner_cpus,
+            gpus=r.learner_gpus,
+            cores=self.cores.learner if self.cores else (),
+            log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
+            deadline_s=cfg.trainer.deadline_s,
+            pass_env=self.owns_ray,  # a joined cluster's nodes keep their own environment
+        )
+        return self.learner.restore() if resume else None
 
     def close(self) -> None:
-        """Ends the learner actor and a Ray cluster this trainer started (ray transport)."""
+        """Shuts the run down in order: admission, rollout, engines, metrics, checkpoints (a save
+        in flight completes), the learner actor and a Ray cluster this trainer started.
+        Idempotent; a step that fails is reported and the others still run."""
+        if self._closed:
+            return
+        self._closed = True
+        steps = []
+        coord, engine, evaluator, dispatcher = (
+            self._coord,
+            self._engine,
+            self._evaluator,
+            self._dispatcher,
+        )
+        if coord is not None:
+            steps.append(coord.stop)
+        if engine is not None:
+            steps.append(engine.abort)
+        if dispatcher is not None:
+            steps.append(lambda: dispatcher.join(timeout=60))
+        for e in {id(e): e for e in (engine, evaluator) if e is not None}.values():
+            steps.append(e.close)
+        for res in (getattr(self, "writer", None), self.ckpt):
+            if res is not None:
+                steps.append(res.close)
         if self.remote and getattr(self, "learner", None) is not None:
-            self.learner.close()
+            steps.append(self.learner.close)
         if self.owns_ray:
             import ray
 
-            ray.shutdown()
-            self.owns_ray = False
+            steps.append(ray.shutdown)
+        for step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - the run's own error is what matters
+                print("while shutting down:", file=sys.stderr)
+                traceback.print_exc()
 
     # -- building blocks --------------------------------------------------------------------
     def train_problem(self, group: int):
@@ -146,12 +176,7 @@ class Trainer:
                 cfg, learner.model.config, self.run_dir, self.tok_dir, self.tokenizer
             )
         engine = build.make_engine(
-            cfg,
-            learner,
-            split=self.split,
-            cores=self.cores,
-            param_server=self.param_server,
-            run_dir=self.run_dir,
+            cfg, learner, self.place, param_server=self.param_server, run_dir=self.run_dir
         )
         evaluator = engine if self.param_server is None else build.make_eval_engine(cfg, learner)
         return LocalRollout(engine, self.task, self.tokenizer), engine, evaluator
@@ -222,7 +247,9 @@ class Trainer:
             stale_policy=t.stale_policy,
             filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
         )
+        self._coord = coord
         rollout, engine, evaluator = self._make_rollout()
+        self._engine, self._evaluator = engine, evaluator
         if on_engine is not None:
             on_engine(engine)
         if self.restored is None:
@@ -239,79 +266,67 @@ class Trainer:
             max_groups=max(1, cfg.rollout.batch_size // self.n),
             deadline_s=t.deadline_s,
         )
+        self._dispatcher = dispatcher
         dispatcher.start()
         t_start = time.perf_counter()
         last = {"time": t_start, "tokens": 0, "busy": 0.0}
         row_len = build.row_length(cfg, self.task, self.tokenizer, self.eval_problems)
         unit = build.pack_unit(cfg)
-        try:
-            for version in range(start, t.total_updates):
-                t0 = time.perf_counter()
-                groups = buffer.get_batch(self.B, version, timeout=t.deadline_s)
-                t_wait = time.perf_counter() - t0
-                adv = np.asarray(
-                    A.compute_advantages(
-                        cfg.algorithm.advantage, np.stack([g.rewards for g in groups])
-                    )
-                )
-                eps = [e for g in groups for e in g.episodes]
-                batch = train_batch(
-                    eps,
-                    adv.reshape(-1),
-                    row_len=row_len,
-                    pack=cfg.learner.pack,
-                    unit=unit,
-                    rows=self.B * self.n,
-                )
-                met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
-                new = self.learner.version
-                t_sync = 0.0
-                if new % t.sync_every == 0 or new == t.total_updates:
-                    t_sync = self.publish(engine, new, self._served(coord), buffer.fail)
-                row, stale = update_row(groups, batch, met, version)
-                now = time.perf_counter()
-                dt = max(now - last["time"], 1e-9)
-                busy, tokens = dispatcher.busy_s(), dispatcher.tokens()
-                row.update(
-                    {
-                        "timing/wait_data": t_wait,
-                        "timing/weight_sync": t_sync,
-                        "timing/update": now - last["time"],
-                        "idle/learner": t_wait / dt,
-                        "idle/rollout": max(0.0, 1.0 - (busy - last["busy"]) / dt),
-                        "throughput/tokens_per_s": (tokens - last["tokens"]) / dt,
-                        "coordinator/redispatched": float(coord.redispatched),
-                        "staleness/bound": float(self.eta),
-                        **buffer.metrics(),
-                        **engine_metrics(engine.stats()),
-                    }
-                )
-                last.update(time=now, tokens=tokens, busy=busy)
-                self.writer.log_histogram(version + 1, "staleness/tokens", stale)
-                if (t.eval_every and new % t.eval_every == 0) or new == t.total_updates:
-                    if evaluator is not engine:
-                        evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
-                    row.update(self.evaluate(evaluator))
-                if on_update is not None:
-                    on_update(new, row)
-                self.writer.log(new, new, row)
-                summary.update(row)
-                if cfg.logging.save_episodes:
-                    path = os.path.join(self.episodes_dir, f"v{new:06d}.jsonl")
-                    dump_episodes(path, groups, self.tokenizer, cfg.logging.save_episodes)
-                ce = t.checkpoint_every
-                if (ce and new % ce == 0) or new == t.total_updates:
-                    self.save(new, coord, buffer)
-        finally:
-            coord.stop()
-            engine.abort()
-            dispatcher.join(timeout=60)
-            engine.close()
-            if evaluator is not engine:
-                evaluator.close()
-            self.writer.close()
-            if self.ckpt is not None:
-                self.ckpt.close()
+        for version in range(start, t.total_updates):
+            t0 = time.perf_counter()
+            groups = buffer.get_batch(self.B, version, timeout=t.deadline_s)
+            t_wait = time.perf_counter() - t0
+            adv = np.asarray(
+                A.compute_advantages(cfg.algorithm.advantage, np.stack([g.rewards for g in groups]))
+            )
+            eps = [e for g in groups for e in g.episodes]
+            batch = train_batch(
+                eps,
+                adv.reshape(-1),
+                row_len=row_len,
+                pack=cfg.learner.pack,
+                unit=unit,
+                rows=self.B * self.n,
+            )
+            met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
+            new = self.learner.version
+            t_sync = 0.0
+            if new % t.sync_every == 0 or new == t.total_updates:
+                t_sync = self.publish(engine, new, self._served(coord), buffer.fail)
+            row, stale = update_row(groups, batch, met, version)
+            now = time.perf_counter()
+            dt = max(now - last["time"], 1e-9)
+            busy, tokens = dispatcher.busy_s(), dispatcher.tokens()
+            row.update(
+                {
+                    "timing/wait_data": t_wait,
+                    "timing/weight_sync": t_sync,
+                    "timing/update": now - last["time"],
+                    "idle/learner": t_wait / dt,
+                    "idle/rollout": max(0.0, 1.0 - (busy - last["busy"]) / dt),
+                    "throughput/tokens_per_s": (tokens - last["tokens"]) / dt,
+                    "coordinator/redispatched": float(coord.redispatched),
+                    "staleness/bound": float(self.eta),
+                    **buffer.metrics(),
+                    **engine_metrics(engine.stats()),
+                }
+            )
+            last.update(time=now, tokens=tokens, busy=busy)
+            self.writer.log_histogram(version + 1, "staleness/tokens", stale)
+            if (t.eval_every and new % t.eval_every == 0) or new == t.total_updates:
+                if evaluator is not engine:
+                    evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
+                row.update(self.evaluate(evaluator))
+            if on_update is not None:
+                on_update(new, row)
+            self.writer.log(new, new, row)
+            summary.update(row)
+            if cfg.logging.save_episodes:
+                path = os.path.join(self.episodes_dir, f"v{new:06d}.jsonl")
+                dump_episodes(path, groups, self.tokenizer, cfg.logging.save_episodes)
+            ce = t.checkpoint_every
+            if (ce and new % ce == 0) or new == t.total_updates:
+                self.save(new, coord, buffer)
         summary["time/total"] = time.perf_counter() - t_start
         summary["eval/accuracy_end"] = summary.get("eval/accuracy")
         return summary

@@ -87,14 +87,19 @@ def test_resolved_config_round_trips(tmp_path):
         ),
         # 19. a rollout process of its own runs the JAX sampler, on the local transport
         (
-            "trainer:\n  rollout_process: true\nrollout:\n  engine: vllm\n",
+            "trainer:\n  placement: process\nrollout:\n  engine: vllm\n",
             [],
-            ["trainer.rollout_process", "'vllm'", "rollout.engine 'jax'"],
+            ["trainer.placement", "'process'", "rollout.engine is 'vllm'", "auto, in_process"],
         ),
         (
             "",
-            ["trainer.rollout_process=true", "trainer.transport=ray"],
-            ["trainer.rollout_process", "'ray'", "trainer.transport 'local'"],
+            ["trainer.placement=split", "trainer.transport=ray"],
+            ["trainer.placement", "'split'", "trainer.transport 'local'", "auto, in_process"],
+        ),
+        (
+            "",
+            ["trainer.placement=in_process", "trainer.pin_cores=true"],
+            ["trainer.pin_cores", "'in_process'", "auto, process"],
         ),
         # 16. packing with a per-sequence aggregation
         (

@@ -166,7 +166,7 @@ def _run(tmp_path, name, *extra):
 
 def test_split_sync_run_reproduces_unsplit_run(tmp_path):
     devs = jax.devices()
-    plain, eng_devs, learner_devs, _ = _run(tmp_path, "plain")
+    plain, eng_devs, learner_devs, _ = _run(tmp_path, "plain", "trainer.placement=in_process")
     assert eng_devs == learner_devs == {devs[0]}
     split, eng_devs, learner_devs, _ = _run(
         tmp_path, "split", "trainer.rollout_devices=[0]", "trainer.learner_devices=[1]"

@@ -219,7 +219,7 @@ RUN = [
 
 
 def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
-    """Sync with the rollout in a pinned process, and in an unpinned one (rollout_process),
+    """Sync with the rollout in a pinned process, and in an unpinned one (placement process),
     equals the in-process run (losses, rewards, eval). The test process is unpinned afterwards.
     (Async with pin_cores: test_bench_async.)"""
     from rl import config as C
@@ -253,8 +253,8 @@ def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
         os.environ[k.upper()] = str(v)
     compilation_cache.reset_cache()
     try:
-        plain = run("plain")
-        shared = run("shared", "trainer.rollout_process=true")
+        plain = run("plain", "trainer.placement=in_process")
+        shared = run("shared", "trainer.placement=process")
         assert os.sched_getaffinity(0) == cores  # nothing pinned
         pinned = run("pinned", "trainer.pin_cores=true")
         assert os.sched_getaffinity(0) == cores - {0}  # the learner left core 0 to the rollout

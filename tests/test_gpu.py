@@ -1,0 +1,166 @@
+"""The GPU tier (`JAX_PLATFORMS=cuda python -m pytest -m gpu`): cuDNN against XLA attention,
+HF parity in float32, learner against sampler log-probs, the device-split async trainer and a
+short run that learns, on a real GPU. Skipped (and listed) on machines without one."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from models import create_model, load_hf, make_mesh, save_hf, tiny
+from models.tokenizer import build_task_tokenizer, load_tokenizer
+from rl import config as C
+from rl.agent import run_episodes
+from rl.learner import Learner, StepConfig, make_batch
+from rl.rollout.base import SamplingParams
+from rl.rollout.jax_engine import JaxEngine
+from rl.tasks import ArithmeticTask
+from rl.trainer import Trainer
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64)
+SHAPE.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
+
+
+def _model(**fields):
+    return create_model(tiny(**SHAPE, **fields), make_mesh(devices=jax.devices()[:1]), seed=3)
+
+
+def _same_params(dst, src):
+    """dst with src's parameter values (cast to dst's dtype)."""
+    new = jax.tree.map(
+        lambda a, b: b.astype(a.dtype), nnx.state(dst, nnx.Param), nnx.state(src, nnx.Param)
+    )
+    nnx.update(dst, new)
+    return dst
+
+
+_logits = nnx.jit(lambda m, t, p, s: m(t, p, s))
+
+
+def test_cudnn_attention_matches_xla_plain_and_packed():
+    """bf16 cuDNN and XLA attention against a float32 reference, plain rows and packed rows."""
+    ref = _model(dtype="float32")
+    xla = _same_params(_model(dtype="bfloat16", attention_impl="xla"), ref)
+    cudnn = _same_params(_model(dtype="bfloat16", attention_impl="cudnn"), ref)
+    rng = np.random.RandomState(0)
+    B, T = 4, 128
+    tokens = rng.randint(0, SHAPE["vocab_size"], (B, T)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    seg = np.ones((B, T), np.int32)
+    want = np.asarray(_logits(ref, tokens, pos, seg))
+    scale = float(np.abs(want).max())
+    for model in (xla, cudnn):
+        got = np.asarray(_logits(model, tokens, pos, seg), np.float32)
+        assert np.abs(got - want).max() <= 0.05 * scale, np.abs(got - want).max()
+    # Packed: each row holds two sequences (segments 1 and 2, positions restarting at 0);
+    # their logits equal those of the sequences in rows of their own.
+    cut = 64
+    packed_pos = np.concatenate([np.arange(cut), np.arange(T - cut)]).astype(np.int32)
+    packed_pos = np.broadcast_to(packed_pos, (B, T))
+    packed_seg = np.broadcast_to(np.r_[np.ones(cut), 2 * np.ones(T - cut)].astype(np.int32), (B, T))
+    first = np.asarray(_logits(ref, tokens[:, :cut], pos[:, :cut], seg[:, :cut]))
+    second_tokens = np.ascontiguousarray(tokens[:, cut:])
+    second = np.asarray(_logits(ref, second_tokens, pos[:, : T - cut], seg[:, : T - cut]))
+    for model in (ref, xla, cudnn):
+        got = np.asarray(_logits(model, tokens, packed_pos, packed_seg), np.float32)
+        tol = 1e-4 * scale if model is ref else 0.05 * scale
+        assert np.abs(got[:, :cut] - first).max() <= tol
+        assert np.abs(got[:, cut:] - second).max() <= tol
+
+
+def test_hf_load_and_export_parity_in_float32(tmp_path):
+    """float32 on a GPU means float32: logits equal transformers' within the CPU's 1e-4."""
+    cfg = transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    tokens = np.random.RandomState(1).randint(0, 256, (2, 32))
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens)).logits.numpy()
+    model = load_hf(str(tmp_path / "hf"))
+    assert model.config.precision == "highest"
+    got = np.asarray(model(tokens))
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+    save_hf(model, str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+    with torch.no_grad():
+        again = back(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(again - want).max() < 1e-5
+
+
+def test_learner_and_sampler_logprobs_agree(tmp_path):
+    """Behavior log-probs from the sampler equal the learner's within 1e-5 in float32."""
+    build_task_tokenizer(str(tmp_path / "tok"))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert tok.vocab_size <= SHAPE["vocab_size"]
+    model = _model(dtype="float32")
+    engine = JaxEngine(model, chunk=8)
+    task = ArithmeticTask()
+    eps = run_episodes(
+        engine,
+        task,
+        tok,
+        task.problems("train", 16),
+        SamplingParams(16, 1.0),
+        seeds=list(range(16)),
+    )
+    learner = Learner(model, optax.sgd(0.0), step_cfg=StepConfig(temperature=1.0))
+    batch = make_batch(eps, np.zeros(len(eps)), row_len=64)
+    lp = learner.logprobs(batch)
+    m = batch.loss_mask > 0
+    assert m.sum() > 0 and np.abs(lp[m] - batch.behavior_logp[m]).max() < 1e-5
+
+
+RUN = [
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "trainer.eval_every=20",
+]
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_device_split_async_trainer(tmp_path):
+    """With two or more GPUs the default placement splits them: the sampler on device 0, the
+    learner on the rest; the async run stays within its staleness bound."""
+    if len(jax.devices()) < 2:
+        pytest.skip(f"needs 2 GPUs, this host has {len(jax.devices())}")
+    over = [*RUN, f"run_root={tmp_path}", "name=split", "sft.steps=50", "trainer.total_updates=6"]
+    trainer = Trainer(C.load(DEFAULT, over))
+    assert trainer.place.kind == "split" and trainer.place.split.rollout == (jax.devices()[0],)
+    trainer.run()
+    rows = _rows(trainer.run_dir)
+    assert [r["step"] for r in rows] == list(range(7))
+    assert all(r["staleness/max"] <= 2 for r in rows[1:])
+
+
+def test_short_run_learns(tmp_path):
+    """The main job's recipe, shortened: RL raises held-out accuracy on a GPU."""
+    over = [*RUN, f"run_root={tmp_path}", "name=learn", "trainer.total_updates=40"]
+    summary = Trainer(C.load(DEFAULT, over)).run()
+    start, end = summary["eval/accuracy_start"], summary["eval/accuracy_end"]
+    print(f"held-out accuracy {start:.3f} -> {end:.3f}")
+    assert end >= start + 0.1
