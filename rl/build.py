@@ -201,6 +201,27 @@ def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: st
     )
 
 
+def vllm_launch_options(cfg: C.RunConfig) -> dict:
+    """How the run launches a vLLM server (VLLMHost.launch keywords)."""
+    v = cfg.rollout.vllm
+    return {
+        "ready_timeout_s": v.ready_timeout_s,
+        "seed": cfg.seed,
+        "host": v.host,
+        "enforce_eager": v.enforce_eager,
+        "extra_args": list(v.extra_args),
+    }
+
+
+def vllm_engine_options(cfg: C.RunConfig) -> dict:
+    """How the run drives vLLM servers (VLLMEngine keywords)."""
+    return {
+        "update_mode": cfg.trainer.partial,
+        "request_timeout_s": cfg.rollout.vllm.request_timeout_s,
+        "deadline_s": cfg.trainer.deadline_s,
+    }
+
+
 def make_engine(
     cfg: C.RunConfig, learner: Learner, place: Placement, *, param_server=None, run_dir: str = ""
 ):
@@ -218,33 +239,23 @@ def make_engine(
         update_mode=t.partial,
     )
     if cfg.rollout.engine == "vllm":
-        from rl.rollout.vllm import VLLMEngine, VLLMHost, launch_hosts
+        from rl.rollout.vllm import VLLMEngine, launch_engine
 
         v = cfg.rollout.vllm
         version = learner.version
         path, _ = param_server.write(version, learner.params())
-        if v.urls:
-            hosts = [VLLMHost.connect(u) for u in v.urls]
-        else:
-            hosts = launch_hosts(
-                path,
-                [os.path.join(run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)],
-                ready_timeout_s=v.ready_timeout_s,
-                seed=cfg.seed,
-                host=v.host,
-                enforce_eager=v.enforce_eager,
-                extra_args=v.extra_args,
-            )
-        engine = VLLMEngine(
-            hosts,
-            version=version,
-            update_mode=t.partial,
-            request_timeout_s=v.request_timeout_s,
-            deadline_s=t.deadline_s,
-            owns_hosts=not v.urls,
-        )
-        if v.urls:
+        if v.urls:  # servers of the user's: reloaded to this run's weights at once
+            engine = VLLMEngine(v.urls, version=version, **vllm_engine_options(cfg))
             engine.update_weights(version, path).wait()
+        else:
+            logs = [os.path.join(run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)]
+            engine = launch_engine(
+                path,
+                logs,
+                version=version,
+                launch=vllm_launch_options(cfg),
+                engine=vllm_engine_options(cfg),
+            )
         param_server.served("engine", version)
         return engine
     if place.kind == "process":

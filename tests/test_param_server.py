@@ -22,7 +22,7 @@ from rl.learner import Learner, StepConfig, make_batch, make_optimizer
 from rl.param_server import MANIFEST, ParamServer, latest, version_dir
 from rl.rollout.base import Weights, WeightUpdate
 from rl.rollout.jax_engine import JaxEngine
-from rl.rollout.vllm import VLLMError, verify_weights_dir
+from rl.rollout.vllm_host import VLLMError, verify_weights_dir
 from rl.types import Episode
 
 CONFIG = tiny()  # the vLLM-compatible tiny shape (2 layers, hidden 128, untied head)

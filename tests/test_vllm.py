@@ -1,13 +1,12 @@
 """VLLMEngine against REAL vLLM servers (one tied-embedding and one untied tiny Qwen2, started
 once per module): log-probs vs transformers, weight reload, refused directories, partial
 rollouts, pause/abort, and bounded-time failures. Dispatch over several hosts and partial
-update failures run against small fake servers (fast, unmarked)."""
+update failures against small fake servers: tests/test_vllm_failover.py."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import os
@@ -20,9 +19,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from vllm_helpers import PROMPTS, requests_for, run_in_thread, sha256
 
 from rl.rollout.base import Generation, GenerationRequest, SamplingParams
-from rl.rollout.vllm import VLLMEngine, VLLMError, VLLMHost
+from rl.rollout.vllm import VLLMEngine
+from rl.rollout.vllm_host import VLLMError, VLLMHost
 
 
 def real_vllm(test):
@@ -35,7 +36,6 @@ if importlib.util.find_spec("vllm") is None:  # an error, never a skip
 
 MAX_LEN = 32768
 TOL = 1e-3  # float32 serving matches transformers to ~1e-6; a stale lm_head is off by > 0.05
-PROMPTS = [[20, 21, 22], [30, 31, 32, 33, 34], [40], [50, 51, 52, 53, 54, 55, 56, 57]]
 LONG = 1800  # new tokens of a request long enough to be interrupted mid-way (~seconds)
 # New tokens of a request that must be stopped by an abort: far longer than the seconds the
 # server's API process can take to act on /abort_requests while its engine core is busy.
@@ -107,11 +107,6 @@ def build_tokenizer(out_dir: str) -> str:
     return build_task_tokenizer(out_dir)
 
 
-def sha256(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def publish(model, root, version: int, tok_dir: str, *, rename: bool = True) -> str:
     """Writes weights/v{version:06d}(.tmp) as the parameter server does: shards, index, manifest."""
     final = os.path.join(root, f"v{version:06d}")
@@ -146,13 +141,6 @@ def max_diff(model, prompt, gen: Generation, temperature: float, top_k: int = 0)
     """Max |vLLM log-prob - transformers log-prob| over a generation's tokens."""
     ref = ref_logprobs(model, prompt, gen.token_ids, temperature, top_k)
     return float(np.max(np.abs(ref - gen.logprobs)))
-
-
-def requests_for(prompts, tag: str, **params) -> list[GenerationRequest]:
-    return [
-        GenerationRequest(f"{tag}-{i}", np.asarray(p, np.int32), SamplingParams(**params))
-        for i, p in enumerate(prompts)
-    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,24 +196,6 @@ def cluster(tmp_path_factory):
             side.host.stop()
 
 
-def run_in_thread(fn):
-    """Starts fn() in a thread; returns (thread, box) where box gets 'result' or 'error'."""
-    box: dict = {}
-
-    def target():
-        t0 = time.monotonic()
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-        box["seconds"] = time.monotonic() - t0
-        box["end"] = time.monotonic()
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, box
-
-
 def metric(url: str, name: str, **labels) -> float:
     """Sum of a vLLM Prometheus metric's samples whose labels include `labels`."""
     import requests
@@ -251,205 +221,6 @@ def wait_generating(url: str, since: float, tokens: int = 50, timeout_s: float =
     while metric(url, "vllm:generation_tokens_total") < since + tokens:
         assert time.monotonic() < end, f"{url} produced no tokens within {timeout_s} s"
         time.sleep(0.05)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fake servers: the HTTP contract only (no model), for dispatch and partial update failures.
-
-
-class FakeVLLM:
-    """A stand-in for vLLM's HTTP API: emits token (last prompt id + i + 1) % 128 every
-    `token_s` seconds with log-prob -0.5, honours /abort_requests, logs every call."""
-
-    def __init__(self, token_s: float = 0.002, fail_reload: bool = False, drop: int = 0):
-        import http.server
-
-        self.token_s, self.fail_reload = token_s, fail_reload
-        self.drop = drop  # completions answered by closing the connection, no response
-        self.calls: list[str] = []
-        self.prompts: list[list[int]] = []
-        self.version, self.abort_epoch, self.active, self.max_active = "default", 0, 0, 0
-        self.lock = threading.Lock()
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                fake.calls.append(self.path)
-                if self.path == "/weight_info":
-                    return self.reply(200, {"weight_version": fake.version})
-                self.reply(200, {})
-
-            def do_POST(self):
-                n = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(n) or b"{}")
-                fake.calls.append(self.path)
-                if self.path == "/v1/completions":
-                    with fake.lock:
-                        dropped, fake.drop = fake.drop > 0, max(fake.drop - 1, 0)
-                    if dropped:  # as a server closing a reused keep-alive connection
-                        self.close_connection = True
-                        return
-                    return self.reply(200, fake.complete(body))
-                if self.path == "/update_weight_version":
-                    fake.version = body["new_version"]
-                elif self.path == "/abort_requests":
-                    with fake.lock:
-                        fake.abort_epoch += 1
-                elif self.path == "/collective_rpc" and fake.fail_reload:
-                    return self.reply(500, {"error": "reload failed"})
-                self.reply(200, {"results": [None]})
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def complete(self, body) -> dict:
-        with self.lock:
-            epoch = self.abort_epoch
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-            self.prompts.append(body["prompt"])
-        tokens, finish = [], "length"
-        for i in range(body["max_tokens"]):
-            time.sleep(self.token_s)
-            if self.abort_epoch != epoch:
-                finish = "abort"
-                break
-            tokens.append((body["prompt"][-1] + i + 1) % 128)
-        with self.lock:
-            self.active -= 1
-        logprobs = {
-            "token_logprobs": [-0.5] * len(tokens),
-            "tokens": [f"token_id:{t}" for t in tokens],
-        }
-        return {"choices": [{"token_ids": tokens, "logprobs": logprobs, "finish_reason": finish}]}
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def fake_weights_dir(root, version: int) -> str:
-    """A published dir that passes the manifest checks (the fake server never reads it)."""
-    path = os.path.join(root, f"v{version:06d}")
-    os.makedirs(path)
-    for name, data in (
-        ("config.json", '{"tie_word_embeddings": false}'),
-        ("model.safetensors", "x"),
-    ):
-        with open(os.path.join(path, name), "w") as f:
-            f.write(data)
-    files = {n: sha256(os.path.join(path, n)) for n in ("config.json", "model.safetensors")}
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump({"version": version, "files": files}, f)
-    return path
-
-
-def expected_tokens(prompt, n) -> list[int]:
-    return [(prompt[-1] + i + 1) % 128 for i in range(n)]
-
-
-def test_dispatch_spreads_over_hosts_and_survives_a_dead_one():
-    a, b = FakeVLLM(), FakeVLLM()
-    engine = VLLMEngine([a.url, b.url], version=3, deadline_s=30)
-    try:
-        gens = engine.generate(requests_for(PROMPTS * 2, "spread", max_new_tokens=20))
-        served = (len(a.prompts), len(b.prompts))
-        assert sum(served) == 8 and min(served) >= 3, served  # least-loaded: about 4 and 4
-        for p, g in zip(PROMPTS * 2, gens):
-            assert g.token_ids.tolist() == expected_tokens(p, 20)
-            assert (g.versions == 3).all() and (g.logprobs == -0.5).all()
-
-        b.close()  # connection refused from now on
-        gens = engine.generate(requests_for(PROMPTS, "failover", max_new_tokens=5))
-        assert all(g.token_ids.tolist() == expected_tokens(p, 5) for p, g in zip(PROMPTS, gens))
-        assert engine.health() == {a.url: True, b.url: False}
-    finally:
-        engine.close()
-        a.close()
-
-
-def test_connection_closed_without_response_is_retried_on_a_healthy_host():
-    """A request that dies with its connection ("Remote end closed connection without
-    response", a server closing a reused keep-alive connection) is retried; the host, which
-    still answers /health, stays healthy."""
-    a = FakeVLLM(drop=2)
-    engine = VLLMEngine([a.url], version=1, max_retries=3, deadline_s=30)
-    try:
-        gens = engine.generate(requests_for(PROMPTS, "dropped", max_new_tokens=5))
-        assert all(g.token_ids.tolist() == expected_tokens(p, 5) for p, g in zip(PROMPTS, gens))
-        assert a.calls.count("/v1/completions") == len(PROMPTS) + 2
-        assert engine.health() == {a.url: True}
-    finally:
-        engine.close()
-        a.close()
-
-
-def test_partial_update_failure_marks_host_unhealthy(tmp_path):
-    good, bad = FakeVLLM(), FakeVLLM(fail_reload=True)
-    engine = VLLMEngine([good.url, bad.url], version=0, max_retries=2, deadline_s=30)
-    try:
-        good.calls.clear()
-        engine.update_weights(1, fake_weights_dir(tmp_path, 1))
-        assert engine.version == 1 and engine.host_versions == {good.url: 1, bad.url: 0}
-        assert good.calls == [
-            "/pause?mode=abort",
-            "/collective_rpc",
-            "/update_weight_version",
-            "/weight_info",
-            "/reset_prefix_cache",
-            "/resume",
-        ]
-        assert bad.calls.count("/collective_rpc") == 3  # tried 1 + max_retries times
-        before = len(bad.prompts)
-        gens = engine.generate(requests_for(PROMPTS, "after", max_new_tokens=4))
-        assert len(bad.prompts) == before  # nothing goes to the host with unknown weights
-        assert all((g.versions == 1).all() for g in gens)
-        assert engine.health() == {good.url: True, bad.url: False}
-
-        only_bad = VLLMEngine([bad.url], version=0)
-        with pytest.raises(VLLMError, match="no vLLM host loaded version 2"):
-            only_bad.update_weights(2, fake_weights_dir(tmp_path, 2))
-        assert only_bad.version == 0
-        only_bad.close()
-    finally:
-        engine.close()
-        good.close()
-        bad.close()
-
-
-def test_continue_mode_resubmits_the_prefix_on_the_new_version(tmp_path):
-    fake = FakeVLLM(token_s=0.005)
-    engine = VLLMEngine([fake.url], version=0, update_mode="continue", deadline_s=30)
-    try:
-        prompt = PROMPTS[1]
-        thread, box = run_in_thread(
-            lambda: engine.generate(requests_for([prompt], "cont", max_new_tokens=200))
-        )
-        time.sleep(0.3)
-        engine.update_weights(1, fake_weights_dir(tmp_path, 1))
-        thread.join(timeout=30)
-        (gen,) = box["result"]
-        k = int(np.sum(gen.versions == 0))
-        assert gen.finish_reason == "length" and 0 < k < 200
-        assert gen.versions.tolist() == [0] * k + [1] * (200 - k)
-        assert gen.token_ids.tolist() == expected_tokens(prompt, 200)
-        assert fake.prompts == [prompt, prompt + gen.token_ids[:k].tolist()]  # prefix resent
-        assert fake.calls.index("/abort_requests") < fake.calls.index("/collective_rpc")
-    finally:
-        engine.close()
-        fake.close()
 
 
 # ---------------------------------------------------------------------------------------------

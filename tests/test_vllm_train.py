@@ -29,7 +29,8 @@ from rl import config as C
 from rl.learner import make_batch
 from rl.param_server import ParamServer
 from rl.rollout.base import GenerationRequest, SamplingParams
-from rl.rollout.vllm import VLLMEngine, VLLMError, VLLMHost
+from rl.rollout.vllm import VLLMEngine
+from rl.rollout.vllm_host import VLLMError, VLLMHost
 from rl.sft import demo_episode, warm_start_run
 from rl.trainer import Trainer
 from rl.types import Episode

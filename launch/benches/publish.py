@@ -204,7 +204,8 @@ def run(args) -> dict:
 def _launch_vllm(args, server, root):
     """A vLLM host on version 0 of the checkpoint, wrapped in a VLLMEngine that owns it."""
     from rl.checkpoint import restore_params
-    from rl.rollout.vllm import VLLMEngine, VLLMHost
+    from rl.rollout.vllm import VLLMEngine
+    from rl.rollout.vllm_host import VLLMHost
 
     path, _ = server.write(0, restore_params(os.path.join(root, "checkpoints")))
     host = VLLMHost.launch(path, log_path=os.path.join(root, "vllm.log"), max_model_len=512)

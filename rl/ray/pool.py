@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from rl.build import vllm_engine_options, vllm_launch_options
 from rl.ray.cluster import connect, first_line
 from rl.ray.param_server import ParamServerActor
 from rl.ray.worker import RolloutActor
@@ -78,11 +79,10 @@ class WorkerPool:
         call_deadline_s: float = 600.0,
         vllm: dict | None = None,
     ):
-        """vllm: the workers drive vLLM hosts instead of a JAX sampler: VLLMHost.launch and
-        VLLMEngine options (num_hosts per worker, host, enforce_eager, seed, extra_args,
-        ready_timeout_s, update_mode, request_timeout_s, deadline_s) plus 'hf', the parameter
-        server's ParamServer options (weights_dir on a filesystem every node shares, config,
-        tokenizer_dir, keep, hf_overrides)."""
+        """vllm: the workers drive vLLM hosts instead of a JAX sampler: num_hosts per worker,
+        'launch' (VLLMHost.launch keywords), 'engine' (VLLMEngine keywords) and 'hf', the
+        parameter server's ParamServer options (weights_dir on a filesystem every node shares,
+        config, tokenizer_dir, keep, hf_overrides)."""
         import ray
 
         self.options = options
@@ -476,14 +476,8 @@ def worker_pool(
     if cfg.rollout.engine == "vllm":  # what each worker launches, and the HF publication
         vllm = {
             "num_hosts": v.num_hosts,
-            "host": v.host,
-            "enforce_eager": v.enforce_eager,
-            "seed": cfg.seed,
-            "extra_args": list(v.extra_args),
-            "ready_timeout_s": v.ready_timeout_s,
-            "update_mode": cfg.trainer.partial,
-            "request_timeout_s": v.request_timeout_s,
-            "deadline_s": cfg.trainer.deadline_s,
+            "launch": vllm_launch_options(cfg),
+            "engine": vllm_engine_options(cfg),
             "hf": {
                 "weights_dir": os.path.join(os.path.abspath(run_dir), "weights"),
                 "config": model_config,

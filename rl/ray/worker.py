@@ -151,24 +151,15 @@ def _launch_vllm(name: str, path: str, version: int, opts: dict, log_path: str):
     """
     import tempfile
 
-    from rl.rollout.vllm import VLLMEngine, launch_hosts
+    from rl.rollout.vllm import launch_engine
 
     log_dir = os.path.dirname(log_path) if log_path else tempfile.gettempdir()
-    hosts = launch_hosts(
+    logs = [os.path.join(log_dir, f"{name}-vllm-{i}.log") for i in range(opts["num_hosts"])]
+    return launch_engine(
         path,
-        [os.path.join(log_dir, f"{name}-vllm-{i}.log") for i in range(opts["num_hosts"])],
-        ready_timeout_s=opts["ready_timeout_s"],
-        seed=opts["seed"],
-        host=opts["host"],
-        enforce_eager=opts["enforce_eager"],
-        extra_args=opts["extra_args"],
-        die_with_parent=True,
-    )
-    return VLLMEngine(
-        hosts,
+        logs,
         version=version,
-        update_mode=opts["update_mode"],
-        request_timeout_s=opts["request_timeout_s"],
-        deadline_s=opts["deadline_s"],
-        owns_hosts=True,
+        launch=opts["launch"],
+        engine=opts["engine"],
+        die_with_parent=True,
     )
