@@ -1,4 +1,5 @@
-"""Metrics: aggregation helpers, the metrics.jsonl + tensorboardX writer, console progress.
+"""Metrics: staleness aggregation, the busy clock, per-update rows, the metrics.jsonl +
+tensorboardX writer and console progress.
 
 `runs/<name>/metrics.jsonl` holds one JSON object per line, always with `step` (optimizer
 updates applied), `version` (policy version) and `time` (seconds since the run started,
