@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 
 
@@ -40,10 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     except C.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from rl.trainer import train
+    from rl.trainer import Trainer
 
     try:
-        summary = train(cfg, run_dir=args.run_dir, resume=args.resume)
+        trainer = Trainer(cfg, run_dir=args.run_dir, resume=args.resume)
+        on_preemption(trainer, cfg.trainer.preempt_deadline_s)
+        summary = trainer.run()
     except C.ConfigError as e:  # a setting this host cannot run (found before any work)
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -54,9 +58,40 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    if summary.get("preempted"):
+        at = (
+            "during the warm start"
+            if summary["version"] is None
+            else (f"at version {summary['version']}: checkpoint written")
+        )
+        print(f"preempted ({summary['preempted']}) {at}; continue with --resume", file=sys.stderr)
+        return 0
     keys = ["eval/accuracy_start", "eval/accuracy_end", "sft/time", "time/total"]
     print(json.dumps({k: summary.get(k) for k in keys}))
     return 0
+
+
+def on_preemption(trainer, deadline_s: float) -> None:
+    """SIGTERM / SIGINT (how preemptions and time limits arrive) stop the run at its next safe
+    point with a checkpoint; past deadline_s the process exits 1. A second signal stops at once."""
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if trainer.stop_reason is not None:
+            raise KeyboardInterrupt
+        print(f"{name}: checkpointing, then exiting (at most {deadline_s:g} s)", file=sys.stderr)
+        threading.Thread(target=trainer.request_stop, args=(name,), daemon=True).start()
+
+        def overdue():
+            print(f"error: {name}: not checkpointed within {deadline_s:g} s", file=sys.stderr)
+            os._exit(1)
+
+        timer = threading.Timer(deadline_s, overdue)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ from rl.coordinator import Coordinator, DeadlineError
 from rl.types import EpisodeGroup
 
 
+class Stopped(Exception):
+    """The learner's wait for data was ended on purpose (a preemption); nothing was taken."""
+
+
 class GroupBuffer:
     """Finished groups waiting for the learner."""
 
@@ -39,8 +43,9 @@ class GroupBuffer:
         # groups are trained (they add no gradient) instead of searching forever.
         self.max_filtered_factor = max_filtered_factor
         self.groups: dict[int, EpisodeGroup] = {}
-        # Every group numbered below next_group was consumed (trained, filtered or dropped); with
-        # "drop" (completion order) `consumed` holds the consumed numbers above it.
+        # Every group numbered below next_group was consumed (trained, filtered or dropped);
+        # `consumed` holds consumed numbers above it ("drop" consumes in completion order; a
+        # wait that ended without a batch puts back what it took, not what it filtered).
         self.next_group = start_group
         self.consumed: set[int] = set()
         self.counts = {"filtered": 0, "dropped": 0, "trained": 0, "finished": 0}
@@ -48,6 +53,7 @@ class GroupBuffer:
         self._trained_stats: list[tuple[float, float]] = []
         self._cond = threading.Condition()
         self.error: BaseException | None = None
+        self.stopped: str | None = None  # why stop() ended the learner's waits
 
     def put(self, group: EpisodeGroup) -> None:
         """Adds a complete group (every rollout of its prompt)."""
@@ -66,13 +72,26 @@ class GroupBuffer:
             self.error = error
             self._cond.notify_all()
 
+    def stop(self, reason: str) -> None:
+        """Ends the learner's wait for data (get_batch raises Stopped, taking nothing)."""
+        with self._cond:
+            self.stopped = reason
+            self._cond.notify_all()
+
     def _usable(self, g: EpisodeGroup) -> bool:
         return not (self.filter and len(set(g.rewards.tolist())) <= 1)
 
+    def _advance(self) -> None:
+        while self.next_group in self.consumed:
+            self.consumed.remove(self.next_group)
+            self.next_group += 1
+
     def _take_keep(self) -> EpisodeGroup | None:
+        self._advance()
         g = self.groups.pop(self.next_group, None)
         if g is not None:
             self.next_group += 1
+            self._advance()
         return g
 
     def _take_drop(self, version: int, eta: int) -> EpisodeGroup | None:
@@ -80,9 +99,7 @@ class GroupBuffer:
             gid = min(self.groups, key=lambda i: (self.groups[i].min_version, i))
             g = self.groups.pop(gid)
             self.consumed.add(gid)
-            while self.next_group in self.consumed:
-                self.consumed.remove(self.next_group)
-                self.next_group += 1
+            self._advance()
             if version - g.min_version > eta:
                 self.counts["dropped"] += 1
                 self.coord.free(1)
@@ -106,17 +123,22 @@ class GroupBuffer:
                 ok = self._cond.wait_for(
                     lambda: (
                         self.error is not None
+                        or self.stopped is not None
                         or bool(self.groups)
                         and (self.stale_policy == "drop" or self.next_group in self.groups)
                     ),
                     timeout,
                 )
-                if self.error is not None:
-                    raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
-                if not ok:
+                if self.error is not None or self.stopped is not None or not ok:
+                    missing, have = self.next_group, len(out)
+                    self._put_back(out)  # a failed wait takes nothing
+                    if self.stopped is not None:
+                        raise Stopped(self.stopped)
+                    if self.error is not None:
+                        raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
                     raise DeadlineError(
-                        f"learner waited {timeout:g}s for group {self.next_group} "
-                        f"(have {len(out)}/{n_groups} for version {version}; buffered "
+                        f"learner waited {timeout:g}s for group {missing} "
+                        f"(have {have}/{n_groups} for version {version}; buffered "
                         f"{sorted(self.groups)[:8]}); are the rollout workers alive?"
                     )
                 g = take()
@@ -131,6 +153,19 @@ class GroupBuffer:
             self.counts["trained"] += len(out)
             self._trained_stats.extend(_stats(g) for g in out)
         return out
+
+    def _put_back(self, taken: list[EpisodeGroup]) -> None:
+        """Undoes the taking of `taken` (groups filtered or dropped meanwhile stay consumed)."""
+        if not taken:
+            return
+        ids = {g.group_id for g in taken}
+        start = min(min(ids), self.next_group)
+        self.consumed |= set(range(start, self.next_group)) - ids
+        self.consumed -= ids
+        self.next_group = start
+        for g in taken:
+            self.groups[g.group_id] = g
+        self._advance()
 
     def state(self) -> tuple[dict, dict[int, EpisodeGroup]]:
         """(state, groups) for a checkpoint, taken together: the JSON-able consume cursor,

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import zlib
 
+import numpy as np
 import optax
 
 from models import sharding as msh
@@ -17,7 +18,7 @@ from models.config import ModelConfig
 from rl import config as C
 from rl.algorithms import losses as L
 from rl.checkpoint import Checkpointer
-from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule
+from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule, train_batch
 from rl.placement import Placement
 from rl.rollout.base import SamplingParams
 
@@ -146,6 +147,21 @@ def row_length(cfg: C.RunConfig, task, tokenizer, problems) -> int:
     prompts = [len(tokenizer.encode(p.prompt)) for p in problems[:64]]
     turns = getattr(task, "max_turns", 1)
     return bucket(max(prompts) + 8 + turns * (cfg.rollout.max_new_tokens + 32))
+
+
+def update_batch(cfg: C.RunConfig, groups, row_len: int):
+    """The TrainBatch of one update: the groups' advantages (algorithm.advantage) on every
+    token, packed (learner.pack) or one row per episode."""
+    from rl.algorithms.advantages import compute_advantages
+
+    adv = np.asarray(
+        compute_advantages(cfg.algorithm.advantage, np.stack([g.rewards for g in groups]))
+    )
+    eps = [e for g in groups for e in g.episodes]
+    rows = cfg.rollout.prompts_per_update * cfg.rollout.group_size
+    return train_batch(
+        eps, adv.reshape(-1), row_len=row_len, pack=cfg.learner.pack, unit=pack_unit(cfg), rows=rows
+    )
 
 
 def build_model(cfg: C.RunConfig, vocab_size: int, mesh):

@@ -74,6 +74,9 @@ class Checkpointer:
         The groups file is written first, synchronously; it counts only once Orbax commits the
         step, and files of steps Orbax no longer keeps are removed.
         """
+        if step in self.manager.all_steps():  # a newer state of the same version replaces it
+            self.manager.wait_until_finished()
+            self.manager.delete(step)
         if groups is not None:
             save_groups(os.path.join(self.directory, f"groups_{step}.npz"), groups)
         pure = state.to_pure_dict()

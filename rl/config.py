@@ -282,6 +282,11 @@ class TrainerSection:
         True, "write checkpoints in the background (the learner waits only for the host copy)"
     )
     deadline_s: float = F(600.0, "longest any wait may block before the run fails with an error")
+    preempt_deadline_s: float = F(
+        120.0,
+        "on SIGTERM / SIGINT: the run checkpoints and exits 0 within this many seconds, "
+        "else it exits 1",
+    )
 
 
 @dataclasses.dataclass
@@ -498,6 +503,7 @@ def _check_ranges(cfg: RunConfig) -> None:
             f"{t.placement!r}; valid placements with pin_cores: auto, process"
         )
     _check_device_split(cfg)
+    positive("trainer.preempt_deadline_s", cfg.trainer.preempt_deadline_s)
     if cfg.trainer.transport == "ray":
         ray = cfg.trainer.ray
         positive("trainer.ray.num_workers", ray.num_workers)

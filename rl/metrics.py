@@ -432,6 +432,32 @@ def update_row(groups, batch, met: dict, version: int) -> tuple[dict, np.ndarray
     return row, stale
 
 
+class LoopMeter:
+    """Each update's wall-clock figures: its time, learner and rollout idle ratios, tokens/s.
+
+    busy_s() and tokens() are the rollout's cumulative busy seconds and delivered tokens.
+    """
+
+    def __init__(self, busy_s: Callable[[], float], tokens: Callable[[], int]):
+        self.busy_s, self.tokens = busy_s, tokens
+        self.last = (time.perf_counter(), 0, 0.0)
+
+    def row(self, wait_s: float, sync_s: float) -> dict[str, float]:
+        """The figures since the previous row (the learner waited wait_s for its data)."""
+        now, (then, tokens0, busy0) = time.perf_counter(), self.last
+        dt = max(now - then, 1e-9)
+        busy, tokens = self.busy_s(), self.tokens()
+        self.last = (now, tokens, busy)
+        return {
+            "timing/wait_data": wait_s,
+            "timing/weight_sync": sync_s,
+            "timing/update": now - then,
+            "idle/learner": wait_s / dt,
+            "idle/rollout": max(0.0, 1.0 - (busy - busy0) / dt),
+            "throughput/tokens_per_s": (tokens - tokens0) / dt,
+        }
+
+
 # Engine counters logged each update, under the names the metrics always had.
 ENGINE_METRICS = {
     "workers": "rollout/workers",

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from rl import build
+from rl.buffer import Stopped
 from rl.learner import StepConfig, bucket, make_batch
 from rl.types import Episode
 
@@ -42,10 +43,13 @@ def demo_episode(task, tokenizer, problem) -> Episode:
     )
 
 
-def warm_start(learner, task, tokenizer, sft, *, rl_step: StepConfig, sft_tx=None, rl_tx=None):
+def warm_start(
+    learner, task, tokenizer, sft, *, rl_step: StepConfig, sft_tx=None, rl_tx=None, stop=None
+):
     """Runs sft.steps supervised steps, then leaves the learner at version 0 on the RL step.
 
     sft_tx / rl_tx: fresh optimizers for the two stages (None: one optimizer continues).
+    stop(): checked between steps; when it returns a reason, Stopped(reason) is raised.
     Returns (summary metrics, loss curve [(step, loss)]).
     """
     learner.set_step_cfg(StepConfig(loss="sft", temperature=1.0))
@@ -57,6 +61,8 @@ def warm_start(learner, task, tokenizer, sft, *, rl_step: StepConfig, sft_tx=Non
     loss = float("nan")
     curve: list[tuple[int, float]] = []
     for step in range(sft.steps):
+        if stop is not None and stop():
+            raise Stopped(stop())
         chunk = problems[step * sft.batch_size : (step + 1) * sft.batch_size]
         eps = [demo_episode(task, tokenizer, p) for p in chunk]
         if row_len is None:
@@ -73,7 +79,7 @@ def warm_start(learner, task, tokenizer, sft, *, rl_step: StepConfig, sft_tx=Non
     return summary, curve
 
 
-def warm_start_run(cfg, learner, task, tokenizer):
+def warm_start_run(cfg, learner, task, tokenizer, stop=None):
     """The run's warm start (cfg.sft), with the run's optimizers for both stages."""
     fresh = not cfg.sft.continue_optimizer
     return warm_start(
@@ -84,4 +90,5 @@ def warm_start_run(cfg, learner, task, tokenizer):
         rl_step=build.rl_step_cfg(cfg),
         sft_tx=build.sft_optimizer(cfg) if fresh else None,
         rl_tx=build.rl_optimizer(cfg) if fresh else None,
+        stop=stop,
     )

@@ -16,18 +16,15 @@ import time
 import traceback
 
 import jax
-import numpy as np
 
 from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl import build, placement
 from rl import config as C
-from rl.algorithms import advantages as A
-from rl.buffer import GroupBuffer
+from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
 from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate
-from rl.learner import train_batch
-from rl.metrics import MetricsWriter, dump_episodes, engine_metrics, update_row
+from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import pin_learner, split_of
 from rl.sft import warm_start_run
 from rl.tasks import get_task
@@ -40,6 +37,8 @@ class Trainer:
         self.ckpt = self.param_server = None
         self._coord = self._engine = self._evaluator = self._dispatcher = None
         self.owns_ray = self._closed = False
+        self.stop_reason: str | None = None  # request_stop(): checkpoint and return
+        self._buffer: GroupBuffer | None = None
         self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
         self.cores = split_of(cfg.trainer) if cfg.trainer.pin_cores else None
         self.place = placement.prepare(cfg)  # backend-dependent settings fail here, first
@@ -186,16 +185,21 @@ class Trainer:
         params = build.sampling(self.cfg, greedy=True)
         return evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
 
-    def publish(self, engine, version: int, on_served, on_error) -> float:
-        """Starts moving `engine` to the learner's weights at `version`; returns seconds.
-
-        on_served(version) runs once the engine serves them (then admission may widen).
-        """
+    def publish(self, engine, version: int, coord: Coordinator, buffer: GroupBuffer) -> float:
+        """Starts moving `engine` to the learner's weights at `version`; returns seconds. Once
+        the engine serves them admission widens (and retention follows); a failure reaches the
+        learner through the buffer."""
         t0 = time.perf_counter()
         weights = self.learner.weights()
         if self.param_server is not None:  # vLLM hosts reload from a published HF directory
             weights.publish_with(self.param_server, version)
-        engine.update_weights(version, weights).then(on_served, on_error)
+
+        def served(v: int) -> None:
+            coord.publish(v)
+            if self.param_server is not None:
+                self.param_server.served("engine", v)
+
+        engine.update_weights(version, weights).then(served, buffer.fail)
         return time.perf_counter() - t0
 
     def save(self, step: int, coord: Coordinator, buffer: GroupBuffer) -> None:
@@ -209,6 +213,24 @@ class Trainer:
             self.ckpt.save(step, self.learner.state, meta, groups)
 
     # -- the loop -------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        """Ends the run at the next safe point (a preemption): admission stops, the learner
+        stops waiting, a checkpoint of the current version and every finished group is
+        written, and run() returns with summary["preempted"] set. Safe from a signal handler."""
+        self.stop_reason = reason
+        if self._coord is not None:
+            self._coord.stop()
+        if self._buffer is not None:
+            self._buffer.stop(reason)
+
+    def _preempt(self, coord: Coordinator, buffer: GroupBuffer, summary: dict) -> dict:
+        """The checkpoint of a stopped run: this version, its finished groups; in-flight ones
+        are dispatched again at resume."""
+        coord.stop()
+        self.save(self.learner.version, coord, buffer)
+        summary.update(preempted=self.stop_reason, version=self.learner.version)
+        return summary
+
     def run(self, on_engine=None, on_update=None) -> dict:
         """Trains; returns the last logged metrics (with eval/accuracy before and after).
 
@@ -225,7 +247,12 @@ class Trainer:
         summary: dict = {}
         if self.restored is None:
             if cfg.sft.steps > 0:
-                summary.update(warm_start_run(cfg, self.learner, self.task, self.tokenizer)[0])
+                try:
+                    stop = lambda: self.stop_reason  # noqa: E731
+                    out = warm_start_run(cfg, self.learner, self.task, self.tokenizer, stop)[0]
+                except Stopped:  # nothing to keep: the warm start runs again at resume
+                    return {"preempted": self.stop_reason, "version": None}
+                summary.update(out)
             first = Coordinator(self.B, self.eta)
             self.save(0, first, GroupBuffer(first))
         if self.cores and cfg.sft.steps > 0 and not self.remote:
@@ -247,7 +274,9 @@ class Trainer:
             stale_policy=t.stale_policy,
             filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
         )
-        self._coord = coord
+        self._coord, self._buffer = coord, buffer
+        if self.stop_reason is not None:  # asked to stop while the run was being built
+            return self._preempt(coord, buffer, summary)
         rollout, engine, evaluator = self._make_rollout()
         self._engine, self._evaluator = engine, evaluator
         if on_engine is not None:
@@ -269,49 +298,28 @@ class Trainer:
         self._dispatcher = dispatcher
         dispatcher.start()
         t_start = time.perf_counter()
-        last = {"time": t_start, "tokens": 0, "busy": 0.0}
+        meter = LoopMeter(dispatcher.busy_s, dispatcher.tokens)
         row_len = build.row_length(cfg, self.task, self.tokenizer, self.eval_problems)
-        unit = build.pack_unit(cfg)
         for version in range(start, t.total_updates):
             t0 = time.perf_counter()
-            groups = buffer.get_batch(self.B, version, timeout=t.deadline_s)
+            try:
+                if self.stop_reason is not None:
+                    raise Stopped(self.stop_reason)
+                groups = buffer.get_batch(self.B, version, timeout=t.deadline_s)
+            except Stopped:
+                return self._preempt(coord, buffer, summary)
             t_wait = time.perf_counter() - t0
-            adv = np.asarray(
-                A.compute_advantages(cfg.algorithm.advantage, np.stack([g.rewards for g in groups]))
-            )
-            eps = [e for g in groups for e in g.episodes]
-            batch = train_batch(
-                eps,
-                adv.reshape(-1),
-                row_len=row_len,
-                pack=cfg.learner.pack,
-                unit=unit,
-                rows=self.B * self.n,
-            )
+            batch = build.update_batch(cfg, groups, row_len)
             met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
             new = self.learner.version
             t_sync = 0.0
             if new % t.sync_every == 0 or new == t.total_updates:
-                t_sync = self.publish(engine, new, self._served(coord), buffer.fail)
+                t_sync = self.publish(engine, new, coord, buffer)
             row, stale = update_row(groups, batch, met, version)
-            now = time.perf_counter()
-            dt = max(now - last["time"], 1e-9)
-            busy, tokens = dispatcher.busy_s(), dispatcher.tokens()
-            row.update(
-                {
-                    "timing/wait_data": t_wait,
-                    "timing/weight_sync": t_sync,
-                    "timing/update": now - last["time"],
-                    "idle/learner": t_wait / dt,
-                    "idle/rollout": max(0.0, 1.0 - (busy - last["busy"]) / dt),
-                    "throughput/tokens_per_s": (tokens - last["tokens"]) / dt,
-                    "coordinator/redispatched": float(coord.redispatched),
-                    "staleness/bound": float(self.eta),
-                    **buffer.metrics(),
-                    **engine_metrics(engine.stats()),
-                }
-            )
-            last.update(time=now, tokens=tokens, busy=busy)
+            row.update(meter.row(t_wait, t_sync), **buffer.metrics())
+            row.update(engine_metrics(engine.stats()))
+            row["staleness/bound"] = float(self.eta)
+            row["coordinator/redispatched"] = float(coord.redispatched)
             self.writer.log_histogram(version + 1, "staleness/tokens", stale)
             if (t.eval_every and new % t.eval_every == 0) or new == t.total_updates:
                 if evaluator is not engine:
@@ -330,16 +338,6 @@ class Trainer:
         summary["time/total"] = time.perf_counter() - t_start
         summary["eval/accuracy_end"] = summary.get("eval/accuracy")
         return summary
-
-    def _served(self, coord: Coordinator):
-        """What runs once the engine serves a version: admission widens, retention follows."""
-
-        def served(version: int) -> None:
-            coord.publish(version)
-            if self.param_server is not None:
-                self.param_server.served("engine", version)
-
-        return served
 
 
 def train(cfg: C.RunConfig, *, run_dir: str | None = None, resume: bool = False) -> dict:

@@ -190,7 +190,8 @@ def test_keep_releases_in_dispatch_order():
 
 
 def test_get_batch_deadline_names_missing_group():
-    """The learner's wait has a deadline; the message names the group it waited for."""
+    """The learner's wait has a deadline; the message names the group it waited for, and the
+    failed wait takes nothing (group 0 is still buffered)."""
     buf = GroupBuffer(Coordinator(2, 1))
     buf.put(group(0, [0, 1]))
     buf.put(group(2, [0, 1]))
@@ -200,7 +201,8 @@ def test_get_batch_deadline_names_missing_group():
     assert time.perf_counter() - t0 >= 0.05
     msg = str(ei.value)
     assert "waited 0.05s for group 1" in msg and "have 1/2 for version 0" in msg, msg
-    assert "buffered [2]" in msg, msg
+    assert "buffered [0, 2]" in msg, msg
+    assert sorted(buf.state()[1]) == [0, 2] and buf.state()[0]["next_group"] == 0
 
 
 def test_fail_makes_get_batch_raise_promptly():
