@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     from rl import placement
 
     try:  # what this host cannot run fails now, before the trainer's imports and any work
-        placement.prepare(cfg)
+        place = placement.prepare(cfg)
     except C.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from rl.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, run_dir=args.run_dir, resume=args.resume)
+        trainer = Trainer(cfg, run_dir=args.run_dir, resume=args.resume, place=place)
         on_preemption(trainer, cfg.trainer.preempt_deadline_s)
         summary = trainer.run()
     except C.ConfigError as e:  # a setting this host cannot run (found before any work)

@@ -17,6 +17,7 @@ from models import sharding as msh
 from models.config import ModelConfig
 from rl import config as C
 from rl.algorithms import losses as L
+from rl.algorithms.advantages import compute_advantages
 from rl.checkpoint import Checkpointer
 from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule, train_batch
 from rl.placement import Placement
@@ -149,18 +150,17 @@ def row_length(cfg: C.RunConfig, task, tokenizer, problems) -> int:
     return bucket(max(prompts) + 8 + turns * (cfg.rollout.max_new_tokens + 32))
 
 
-def update_batch(cfg: C.RunConfig, groups, row_len: int):
+def update_batch(cfg: C.RunConfig, groups, *, row_len: int, unit: int):
     """The TrainBatch of one update: the groups' advantages (algorithm.advantage) on every
-    token, packed (learner.pack) or one row per episode."""
-    from rl.algorithms.advantages import compute_advantages
-
+    token, packed (learner.pack, row counts a multiple of `unit`: pack_unit) or one row per
+    episode."""
     adv = np.asarray(
         compute_advantages(cfg.algorithm.advantage, np.stack([g.rewards for g in groups]))
     )
     eps = [e for g in groups for e in g.episodes]
     rows = cfg.rollout.prompts_per_update * cfg.rollout.group_size
     return train_batch(
-        eps, adv.reshape(-1), row_len=row_len, pack=cfg.learner.pack, unit=pack_unit(cfg), rows=rows
+        eps, adv.reshape(-1), row_len=row_len, pack=cfg.learner.pack, unit=unit, rows=rows
     )
 
 

@@ -25,7 +25,7 @@ from rl.coordinator import Coordinator
 from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
-from rl.placement import pin_learner, split_of
+from rl.placement import pin_learner
 from rl.sft import warm_start_run
 from rl.tasks import get_task
 
@@ -33,15 +33,23 @@ from rl.tasks import get_task
 class Trainer:
     """Builds a run from a RunConfig and trains it (supervised warm start, then RL)."""
 
-    def __init__(self, cfg: C.RunConfig, *, run_dir: str | None = None, resume: bool = False):
+    def __init__(
+        self,
+        cfg: C.RunConfig,
+        *,
+        run_dir: str | None = None,
+        resume: bool = False,
+        place: placement.Placement | None = None,
+    ):
+        """place: the config's placement if the caller resolved it already (launch.train)."""
         self.ckpt = self.param_server = None
         self._coord = self._engine = self._evaluator = self._dispatcher = None
         self.owns_ray = self._closed = False
         self.stop_reason: str | None = None  # request_stop(): checkpoint and return
         self._buffer: GroupBuffer | None = None
         self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
-        self.cores = split_of(cfg.trainer) if cfg.trainer.pin_cores else None
-        self.place = placement.prepare(cfg)  # backend-dependent settings fail here, first
+        self.place = place or placement.prepare(cfg)  # backend-dependent settings fail first
+        self.cores = self.place.cores  # trainer.pin_cores: the rollout's and the learner's
         self.cfg = cfg = self.place.config
         self.run_dir = run_dir or os.path.join(cfg.run_root, cfg.name)
         os.makedirs(self.run_dir, exist_ok=True)
@@ -108,12 +116,8 @@ class Trainer:
             return
         self._closed = True
         steps = []
-        coord, engine, evaluator, dispatcher = (
-            self._coord,
-            self._engine,
-            self._evaluator,
-            self._dispatcher,
-        )
+        coord, engine, dispatcher = self._coord, self._engine, self._dispatcher
+        evaluator = self._evaluator
         if coord is not None:
             steps.append(coord.stop)
         if engine is not None:
@@ -300,6 +304,7 @@ class Trainer:
         t_start = time.perf_counter()
         meter = LoopMeter(dispatcher.busy_s, dispatcher.tokens)
         row_len = build.row_length(cfg, self.task, self.tokenizer, self.eval_problems)
+        unit = build.pack_unit(cfg)
         for version in range(start, t.total_updates):
             t0 = time.perf_counter()
             try:
@@ -309,7 +314,7 @@ class Trainer:
             except Stopped:
                 return self._preempt(coord, buffer, summary)
             t_wait = time.perf_counter() - t0
-            batch = build.update_batch(cfg, groups, row_len)
+            batch = build.update_batch(cfg, groups, row_len=row_len, unit=unit)
             met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
             new = self.learner.version
             t_sync = 0.0

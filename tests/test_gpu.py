@@ -2,7 +2,6 @@
 HF parity in float32, learner against sampler log-probs, the device-split async trainer and a
 short run that learns, on a real GPU. Skipped (and listed) on machines without one."""
 
-import json
 import os
 
 import jax
@@ -12,6 +11,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from run_files import metric_rows
 
 from models import create_model, load_hf, make_mesh, save_hf, tiny
 from models.tokenizer import build_task_tokenizer, load_tokenizer
@@ -138,11 +138,6 @@ RUN = [
 ]
 
 
-def _rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def test_device_split_async_trainer(tmp_path):
     """With two or more GPUs the default placement splits them: the sampler on device 0, the
     learner on the rest; the async run stays within its staleness bound."""
@@ -152,7 +147,7 @@ def test_device_split_async_trainer(tmp_path):
     trainer = Trainer(C.load(DEFAULT, over))
     assert trainer.place.kind == "split" and trainer.place.split.rollout == (jax.devices()[0],)
     trainer.run()
-    rows = _rows(trainer.run_dir)
+    rows = metric_rows(trainer.run_dir)
     assert [r["step"] for r in rows] == list(range(7))
     assert all(r["staleness/max"] <= 2 for r in rows[1:])
 

@@ -2,8 +2,6 @@
 and every finished group, and exits 0 within trainer.preempt_deadline_s; --resume continues it,
 every group trained exactly once. A learner wait ended on purpose takes nothing from the buffer."""
 
-import glob
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from run_files import metric_rows, trained_episodes
 
 from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
@@ -78,11 +77,6 @@ def _train(root, *extra):
     return cmd
 
 
-def _rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_path):
     total, run_dir = 12, tmp_path / "p"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -96,7 +90,7 @@ def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_pa
     )
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 240:  # until update 3 is logged
-        if (run_dir / "metrics.jsonl").exists() and len(_rows(run_dir)) >= 4:
+        if (run_dir / "metrics.jsonl").exists() and len(metric_rows(run_dir)) >= 4:
             break
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)
@@ -121,14 +115,7 @@ def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_pa
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    rows = _rows(run_dir)
+    rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(total + 1))  # each version once
-    trained = {}
-    for path in sorted(glob.glob(str(run_dir / "episodes" / "v*.jsonl"))):
-        with open(path) as f:
-            for line in f:
-                e = json.loads(line)
-                key = (e["group"], e["index"])
-                assert key not in trained, f"episode {key} trained twice"
-                trained[key] = e
+    trained = trained_episodes(run_dir)  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * 2) for i in range(4)]

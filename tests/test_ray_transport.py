@@ -3,8 +3,6 @@ their own processes, episode batches in the object store, a real SIGKILL of a wo
 (re-dispatch, every finished episode trained exactly once), a worker that stops answering
 (SIGSTOP), the restart limit, lossless resume (checkpoints written by the learner actor)."""
 
-import glob
-import json
 import os
 import signal
 import threading
@@ -13,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import ray
+from run_files import metric_rows, trained_episodes
 
 from rl import build
 from rl import config as C
@@ -53,24 +52,6 @@ def cluster():
 
 def _cfg(root, name, *overrides):
     return C.load(None, [*BASE, f"run_root={root}", f"name={name}", *overrides])
-
-
-def _rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _trained(run_dir):
-    """{(group, index): dumped episode} over every update's dump; asserts no duplicate."""
-    out = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "episodes", "v*.jsonl"))):
-        with open(path) as f:
-            for line in f:
-                e = json.loads(line)
-                key = (e["group"], e["index"])
-                assert key not in out, f"episode {key} trained twice"
-                out[key] = e
-    return out
 
 
 def _watch(seen: dict, at_step: int, action) -> dict:
@@ -247,13 +228,13 @@ def test_run_survives_real_sigkill_of_a_rollout_worker(cluster, tmp_path):
     assert _gone(learner_pid)  # ended with the run
     assert seen["inflight"], "no worker ran needed groups after update 1: none was killed"
     assert _gone(seen["killed"])
-    rows = _rows(trainer.run_dir)
+    rows = metric_rows(trainer.run_dir)
     assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
     last = rows[-1]
     assert last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
     assert last["coordinator/redispatched"] >= 1  # the killed worker's in-flight groups
     assert last["transport/batches"] >= total  # <= B groups per batch, via the object store
-    trained = _trained(trainer.run_dir)  # raises on any episode trained twice
+    trained = trained_episodes(trainer.run_dir)  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
     # finished = trained + still buffered at the end: nothing finished was lost or duplicated
     assert last["buffer/finished"] == last["buffer/trained"] + last["buffer/size"]
@@ -301,7 +282,7 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     trainer.run()
     saved = load_groups(os.path.join(root, "resume", "checkpoints", f"groups_{first}.npz"))
     assert saved and min(saved) >= first * B  # finished but untrained at the stop
-    before = _trained(os.path.join(root, "resume"))
+    before = trained_episodes(os.path.join(root, "resume"))
     assert sorted({g for g, _ in before}) == list(range(first * B))
 
     trainer = Trainer(_cfg(root, "resume", f"trainer.total_updates={total}"), resume=True)
@@ -315,10 +296,10 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
 
     trainer.group_work = record
     trainer.run()
-    rows = _rows(os.path.join(root, "resume"))
+    rows = metric_rows(os.path.join(root, "resume"))
     assert [r["step"] for r in rows] == list(range(total + 1))  # each version exactly once
     assert all(r["version"] == r["step"] for r in rows)
-    trained = _trained(os.path.join(root, "resume"))  # raises on any episode trained twice
+    trained = trained_episodes(os.path.join(root, "resume"))  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
     for gid, group in saved.items():  # the saved episodes themselves were trained
         for i, e in enumerate(group.episodes):
@@ -368,12 +349,12 @@ def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_pa
     assert _gone(seen["host"])
     pids = {os.getpid(), trainer.learner.pid, seen["pool"].param_server_pid, seen["worker"]}
     assert len(pids) == 4  # driver, learner, parameter server, rollout worker
-    rows = _rows(trainer.run_dir)
+    rows = metric_rows(trainer.run_dir)
     assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
     last = rows[-1]
     assert last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
     assert "health check" in seen["pool"].lost[0] and "vLLM host" in seen["pool"].lost[0]
-    trained = _trained(trainer.run_dir)  # raises on any episode trained twice
+    trained = trained_episodes(trainer.run_dir)  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
     assert last["buffer/trained"] == total * B
     published = sorted(os.listdir(os.path.join(trainer.run_dir, "weights")))

@@ -33,7 +33,6 @@ import traceback
 import numpy as np
 
 from models.params import fill_params
-from rl.metrics import BusyClock
 from rl.rollout.base import Generation, GenerationRequest, RolloutError, Weights, WeightUpdate
 
 
@@ -58,8 +57,6 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
     from rl.rollout.jax_engine import JaxEngine
 
     send_lock = threading.Lock()
-    busy = BusyClock()
-    install = {"install_s": 0.0, "updates": 0}
 
     def send(*msg):
         with send_lock:
@@ -67,9 +64,8 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
 
     engine = None
 
-    def stats() -> dict:
-        traces = engine.traces if engine is not None else 0  # programs traced (compilations)
-        return {**busy.snapshot(), **install, "pid": os.getpid(), "traces": traces}
+    def stats() -> dict:  # the engine's own counters (busy time, tokens, installs, traces)
+        return {**(engine.stats() if engine is not None else {}), "pid": os.getpid()}
 
     try:
         kind, flat = conn.recv()  # the initial params come over the pipe, not as spawn args
@@ -94,16 +90,11 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
     def generate(mid, requests, after_updates):
         with order_cv:
             order_cv.wait_for(lambda: order["installed"] >= after_updates)
-        busy.enter()
-        tokens = 0
         try:
             gens = engine.generate(requests)
-            tokens = sum(len(g.token_ids) for g in gens)
         except BaseException:  # noqa: BLE001
-            busy.exit(0)
             send(mid, False, traceback.format_exc(), stats())
             return
-        busy.exit(tokens)
         send(mid, True, gens, stats())
 
     updates: queue.Queue = queue.Queue()
@@ -126,8 +117,6 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
             with order_cv:
                 order["installed"] += 1
                 order_cv.notify_all()
-            install["install_s"] += time.perf_counter() - t0
-            install["updates"] += 1
             send(mid, True, time.perf_counter() - t0, stats())
 
     updater = threading.Thread(target=update_loop, name="weights", daemon=True)

@@ -1,0 +1,24 @@
+"""Readers of a run directory shared by the tests: metric rows and the trained-episode dumps."""
+
+import glob
+import json
+import os
+
+
+def metric_rows(run_dir) -> list[dict]:
+    """Every row of the run's metrics.jsonl."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def trained_episodes(run_dir) -> dict:
+    """{(group, index): dumped episode} over every update's dump; asserts no duplicate."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "episodes", "v*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                e = json.loads(line)
+                key = (e["group"], e["index"])
+                assert key not in out, f"episode {key} trained twice"
+                out[key] = e
+    return out
