@@ -290,6 +290,13 @@ def make_engine(
     )
 
 
+def streams(cfg: C.RunConfig) -> int:
+    """Dispatcher streams of the local transport (rollout.streams; 0 = auto)."""
+    if cfg.rollout.streams:
+        return cfg.rollout.streams
+    return 2 * max(1, cfg.rollout.batch_size // cfg.rollout.group_size)
+
+
 def make_eval_engine(cfg: C.RunConfig, learner: Learner):
     """An in-process JAX sampler on the learner's weights: the evaluator beside local vLLM
     hosts (the hosts keep serving rollouts)."""

@@ -152,7 +152,13 @@ class RolloutSection:
     top_k: int = F(0, "top-k sampling, 0 = off")
     top_p: float = F(1.0, "nucleus sampling, 1.0 = off")
     eval_temperature: float = F(0.0, "temperature of held-out evaluation (0 = greedy)")
-    batch_size: int = F(128, "max sequences the JAX sampler decodes at once")
+    batch_size: int = F(128, "max sequences the JAX sampler decodes at once (its slots)")
+    streams: int = F(
+        0,
+        "groups generating at once on the local engine, each its own admit -> generate -> "
+        "deliver loop; 0 = auto: twice the groups rollout.batch_size holds, so a slot freed "
+        "while its group waits for a long episode refills at once; 1 = one batch at a time",
+    )
     vllm: VLLMSection = sub(VLLMSection, "vLLM hosts (rollout.engine=vllm)")
 
 
@@ -437,6 +443,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     positive("rollout.temperature", cfg.rollout.temperature)
     positive("rollout.eval_temperature", cfg.rollout.eval_temperature, allow_zero=True)
     positive("rollout.batch_size", cfg.rollout.batch_size)
+    positive("rollout.streams", cfg.rollout.streams, allow_zero=True)
     positive("rollout.top_k", cfg.rollout.top_k, allow_zero=True)
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p: invalid value {cfg.rollout.top_p!r}; must be in (0, 1]")

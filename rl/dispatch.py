@@ -1,11 +1,11 @@
 """The one admit -> generate -> deliver loop, for the local and the Ray transports.
 
-A rollout has `slots` (the local transport: one, an engine in this process; the Ray transport:
-one per worker actor). Each slot gets a dispatcher thread that admits groups from the
-coordinator (the staleness rule), runs them on its slot and puts the finished groups into the
-buffer. A lost worker's groups go back to the coordinator (same numbers, counted as
-re-dispatched) and the slot gets a replacement; any other failure reaches the learner through
-buffer.fail.
+A rollout has `slots` (the local transport: `streams` of one engine, which batches their
+requests continuously; the Ray transport: one per worker actor). Each slot gets a dispatcher
+thread that admits groups from the coordinator (the staleness rule), runs them on its slot and
+puts the finished groups into the buffer, so a group is delivered as soon as it is done. A lost
+worker's groups go back to the coordinator (same numbers, counted as re-dispatched) and the slot
+gets a replacement; any other failure reaches the learner through buffer.fail.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from rl.rollout.base import RolloutError, SamplingParams, WorkerLost
 
 
 class LocalRollout:
-    """The local transport's one slot: groups run on an engine from a thread of this process."""
+    """The local transport: `streams` slots whose groups run on one engine of this process."""
 
-    slots = 1
+    engines = 1
 
-    def __init__(self, engine, task, tokenizer):
+    def __init__(self, engine, task, tokenizer, streams: int = 1):
         self.engine, self.task, self.tokenizer = engine, task, tokenizer
+        self.slots = streams
 
     def run(self, slot: int, items: list, sampling: SamplingParams, stopped=lambda: False):
         """The finished groups of items [(group, version, problem, seeds)]; None once stopped."""
@@ -58,7 +59,7 @@ class Dispatcher:
         self.rollout, self.coord, self.buffer = rollout, coord, buffer
         self.work, self.sampling = work, sampling
         self.max_groups, self.deadline_s = max_groups, deadline_s
-        self.clocks = [BusyClock() for _ in range(rollout.slots)]
+        self.clocks = [BusyClock() for _ in range(rollout.engines)]  # busy time per engine
         self.threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"rollout-{i}", daemon=True)
             for i in range(rollout.slots)
@@ -75,7 +76,7 @@ class Dispatcher:
             t.join(timeout=timeout)
 
     def busy_s(self) -> float:
-        """Seconds a slot spent running groups, averaged over the slots."""
+        """Seconds an engine spent running groups, averaged over the engines."""
         return sum(c.busy_s() for c in self.clocks) / len(self.clocks)
 
     def tokens(self) -> int:
@@ -83,7 +84,7 @@ class Dispatcher:
         return sum(c.tokens for c in self.clocks)
 
     def _loop(self, slot: int) -> None:
-        coord, clock = self.coord, self.clocks[slot]
+        coord, clock = self.coord, self.clocks[slot % len(self.clocks)]
         try:
             while True:
                 admitted = coord.admit(self.max_groups, timeout=self.deadline_s)

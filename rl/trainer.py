@@ -182,7 +182,8 @@ class Trainer:
             cfg, learner, self.place, param_server=self.param_server, run_dir=self.run_dir
         )
         evaluator = engine if self.param_server is None else build.make_eval_engine(cfg, learner)
-        return LocalRollout(engine, self.task, self.tokenizer), engine, evaluator
+        rollout = LocalRollout(engine, self.task, self.tokenizer, build.streams(cfg))
+        return rollout, engine, evaluator
 
     def evaluate(self, engine) -> dict:
         """Greedy (by default) decoding of the held-out split: accuracy and reward."""
@@ -296,7 +297,7 @@ class Trainer:
             buffer,
             self.group_work,
             build.sampling(cfg),
-            max_groups=max(1, cfg.rollout.batch_size // self.n),
+            max_groups=max(1, cfg.rollout.batch_size // self.n // rollout.slots),
             deadline_s=t.deadline_s,
         )
         self._dispatcher = dispatcher

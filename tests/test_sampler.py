@@ -96,10 +96,13 @@ def test_behavior_logprobs_equal_learner_logprobs(model, engine, tok, temperatur
 def test_same_bucket_does_not_retrace(model):
     # As in a training run: the engine copies the weights of a model on the learner's mesh.
     eng = JaxEngine(shard_model(model, make_mesh(devices=jax.devices()[:1])), chunk=4)
-    eng.generate([_req(f"a{i}", _prompt(i, 5 + 2 * i), max_new_tokens=6, seed=i) for i in range(3)])
-    assert eng.traces == 2  # prefill + decode
-    # 4 rows (batch bucket 4), prompts 3..12 (bucket 16), budgets <= 16, other sampling params
-    # and stop tokens (<= 4 per request).
+    # 3 rows (4 slots), prompts of 5..12 tokens (bucket 16), 16 new: the cache grows 16 -> 32.
+    eng.generate(
+        [_req(f"a{i}", _prompt(i, 5 + 3 * i), max_new_tokens=16, seed=i) for i in range(3)]
+    )
+    assert eng.traces == 3  # one prefill, a decode per cache length (16, 32)
+    # 4 rows (still 4 slots), prompts 3..12, budgets <= 16, other sampling params and stop
+    # tokens (<= 4 per request): the same programs.
     eng.generate(
         [
             _req(
@@ -115,7 +118,7 @@ def test_same_bucket_does_not_retrace(model):
             for i in range(4)
         ]
     )
-    assert eng.traces == 2
+    assert eng.traces == 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,3 +418,74 @@ def test_episode_version_span_ignores_environment_tokens():
         reward=0.0,
     )
     assert e.version_span == (2, 3) and e.num_generated == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# (h) continuous batching: slots refill, results stream out, drain across an update
+
+
+def _mixed_requests(tag):
+    """Two long and eight short requests: a static batch of 4 idles through the long ones."""
+    budgets = [24, 3, 4, 2, 24, 5, 3, 4, 2, 6]
+    return [
+        _req(f"{tag}{i}", _prompt(40 + i, 3 + i % 5), max_new_tokens=n, seed=100 + i)
+        for i, n in enumerate(budgets)
+    ]
+
+
+def test_continuous_refills_freed_slots_with_the_same_results(model, engine):
+    cont = JaxEngine(model, chunk=4, max_batch=4)
+    static = JaxEngine(model, chunk=4, max_batch=4, continuous=False)
+    reqs = _mixed_requests("m")
+    out_c, out_s = cont.generate(reqs), static.generate(reqs)
+    alone = [engine.generate([r])[0] for r in reqs]  # each request by itself
+    for c, s, a, r in zip(out_c, out_s, alone, reqs):
+        assert len(c.token_ids) == r.params.max_new_tokens and c.finish_reason == "length"
+        np.testing.assert_array_equal(c.token_ids, a.token_ids)
+        np.testing.assert_array_equal(s.token_ids, a.token_ids)
+        assert np.abs(c.logprobs - a.logprobs).max() < 1e-5
+    # Continuous batching computes fewer slot-steps for the same tokens (refilled slots); the
+    # static batches run until their longest row is done.
+    tokens = sum(r.params.max_new_tokens - 1 for r in reqs)  # decode steps (first: prefill)
+    assert cont.useful_steps == static.useful_steps == tokens
+    assert cont.slot_steps < static.slot_steps
+    assert cont.stats()["slot_occupancy"] > static.stats()["slot_occupancy"]
+    cont.close(), static.close()
+
+
+def test_results_stream_out_while_a_long_row_runs(model):
+    eng = JaxEngine(model, chunk=4, max_batch=4)
+    done: dict[str, float] = {}
+
+    def call(tag, n):
+        eng.generate([_req(tag, _prompt(50, 4), max_new_tokens=n, seed=1)])
+        done[tag] = time.monotonic()
+
+    long_call = threading.Thread(target=call, args=("long", 200))
+    long_call.start()
+    deadline = time.monotonic() + 120
+    while not any(eng._slots):  # until the long row holds a slot
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    call("short", 3)  # a second caller: admitted beside the long row, returned before it ends
+    assert "long" not in done
+    long_call.join(120)
+    assert done["short"] < done["long"]
+    eng.close()
+
+
+def test_drain_update_lets_live_rows_finish_on_their_version(model, tok):
+    """`drain`: rows live at the update finish on version 0; requests after it get version 1."""
+    new_params = nnx.state(randomize(nnx.clone(model), seed=2), nnx.Param)
+    eng = JaxEngine(model, chunk=4, update_mode="drain", background_install=True)
+    handles = []
+    reqs = [_req(f"d{i}", _prompt(60 + i, 5), max_new_tokens=16, seed=i) for i in range(3)]
+    with _after_first_decode(eng, lambda: handles.append(eng.update_weights(1, new_params))):
+        first = eng.generate(reqs)
+    handles[0].wait(60)
+    for g in first:
+        assert g.finish_reason == "length" and len(g.token_ids) == 16 and (g.versions == 0).all()
+    later = eng.generate(reqs)
+    assert all((g.versions == 1).all() for g in later)
+    assert any(not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(first, later))
+    eng.close()

@@ -188,6 +188,7 @@ def test_async_staleness_bounded(root):
             f"trainer.total_updates={TOTAL}",
             "trainer.mode=async",
             "trainer.max_staleness=2",
+            "rollout.streams=12",  # the bound's worth of groups in flight: generation runs ahead
         )
     )
     rows = _rows(root, name)[1:]

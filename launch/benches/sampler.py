@@ -1,10 +1,13 @@
 """python -m launch.bench sampler: the JAX sampler decoding a batch of random prompts, its
-tokens/s and its decode step against the memory roofline (weights + KV cache read per step)."""
+tokens/s and its decode step against the memory roofline (weights + KV cache read per step);
+with --workload longtail (Pareto budgets, more requests than slots) static against continuous
+batching, and with --vllm a vLLM host on the same model and requests, all in one run."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -123,6 +126,117 @@ def bench_sampler(args) -> dict:
     )
 
 
+def workload(args, vocab: int) -> list:
+    """The requests of --workload: random prompts, budgets --new-tokens (uniform) or
+    Pareto(--alpha) in [--min-tokens, --new-tokens] (longtail); no stop token, temperature 1."""
+    import random
+
+    from rl.rollout.base import GenerationRequest, SamplingParams
+    from rl.tasks.longtail import pareto_budget
+
+    n = args.requests or (args.batch if args.workload == "uniform" else 4 * args.batch)
+    rng = np.random.default_rng(args.seed)
+    budgets = random.Random(args.seed)
+    reqs = []
+    for i in range(n):
+        new = args.new_tokens
+        if args.workload == "longtail":
+            new = pareto_budget(budgets, args.alpha, args.min_tokens, args.new_tokens)
+        prompt = rng.integers(3, vocab, args.prompt_len).astype(np.int32)
+        reqs.append(GenerationRequest(f"w{i}", prompt, SamplingParams(max_new_tokens=new, seed=i)))
+    return reqs
+
+
+def _timed_workload(engine, reqs, repeats: int) -> tuple[float, int]:
+    """(median seconds, tokens) of generating every request at once, after one warm-up pass."""
+    import dataclasses as dc
+
+    def once(tag: str) -> tuple[float, int]:
+        batch = [dc.replace(r, request_id=f"{tag}-{r.request_id}") for r in reqs]
+        t0 = time.perf_counter()
+        gens = engine.generate(batch)
+        dt = time.perf_counter() - t0
+        for g, r in zip(gens, reqs):
+            if len(g.token_ids) != r.params.max_new_tokens or g.finish_reason != "length":
+                raise RuntimeError(
+                    f"request {g.request_id}: {len(g.token_ids)} tokens ({g.finish_reason}), "
+                    f"want {r.params.max_new_tokens}"
+                )
+        return dt, sum(len(g.token_ids) for g in gens)
+
+    once("warm")
+    runs = [once(f"r{i}") for i in range(repeats)]
+    return statistics.median(dt for dt, _ in runs), runs[0][1]
+
+
+def bench_workload(args) -> dict:
+    """Useful tokens/s of one request set on the JAX sampler (static and continuous batching
+    with --workload longtail) and, with --vllm, on a vLLM host serving the same weights."""
+    import tempfile
+
+    from models import create_model, make_mesh
+    from rl.rollout.jax_engine import JaxEngine
+
+    device_summary()
+    cfg = model_config(args.preset, dtype=args.dtype, param_dtype=args.dtype)
+    model = create_model(cfg, make_mesh(devices=jax.devices()[:1]), seed=args.seed)
+    reqs = workload(args, cfg.vocab_size)
+    lens = [r.params.max_new_tokens for r in reqs]
+    print(
+        f"workload {args.workload}: {len(reqs)} requests, prompt {args.prompt_len}, new tokens "
+        f"mean {statistics.mean(lens):.1f} max {max(lens)}; {args.batch} slots; {cfg.dtype}",
+        flush=True,
+    )
+    out: dict = {}
+    modes = ("static", "continuous") if args.workload == "longtail" else ("continuous",)
+    for mode in modes:
+        engine = JaxEngine(model, max_batch=args.batch, continuous=mode == "continuous")
+        dt, tokens = _timed_workload(engine, reqs, args.repeats)
+        occ = engine.stats()["slot_occupancy"]
+        engine.close()
+        out[f"{mode}_tok_s"], out[f"{mode}_occupancy"] = tokens / dt, occ
+        print(
+            f"jax {mode:10s}: {dt:7.2f} s, {tokens / dt:10,.0f} useful tok/s, slot occupancy "
+            f"{occ:.1%}",
+            flush=True,
+        )
+    if "static_tok_s" in out:
+        out["continuous_over_static"] = out["continuous_tok_s"] / out["static_tok_s"]
+        print(f"continuous / static: {out['continuous_over_static']:.2f}x", flush=True)
+    if args.vllm:
+        from models import save_hf
+        from models.tokenizer import build_task_tokenizer
+        from rl.rollout.vllm import VLLMEngine
+        from rl.rollout.vllm_host import VLLMHost
+
+        with tempfile.TemporaryDirectory(prefix="bench-sampler-") as root:
+            tok_dir = build_task_tokenizer(os.path.join(root, "tokenizer"))
+            path = os.path.join(root, "model")
+            save_hf(model, path, tokenizer_dir=tok_dir)
+            max_len = args.prompt_len + args.new_tokens
+            host = VLLMHost.launch(
+                path,
+                log_path=os.path.join(root, "vllm.log"),
+                dtype=cfg.dtype,
+                max_model_len=max_len,
+                extra_args=["--max-num-seqs", str(args.batch)],
+            )
+            engine = VLLMEngine(
+                [host], version=0, owns_hosts=True, max_concurrency=min(len(reqs), 2 * args.batch)
+            )
+            try:
+                host.wait_ready(args.vllm_ready_s)
+                dt, tokens = _timed_workload(engine, reqs, args.repeats)
+            finally:
+                engine.close()
+        out["vllm_tok_s"] = tokens / dt
+        jax_tok_s = out["continuous_tok_s"]
+        out["jax_over_vllm"] = jax_tok_s / out["vllm_tok_s"]
+        print(f"vllm           : {dt:7.2f} s, {tokens / dt:10,.0f} useful tok/s", flush=True)
+        print(f"jax (continuous) / vllm: {out['jax_over_vllm']:.2f}x", flush=True)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launch.bench sampler",
@@ -133,15 +247,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--workload",
+        choices=("roofline", "uniform", "longtail"),
+        default="roofline",
+        help="roofline: one batch, decode step vs memory roofline; uniform / longtail: a request "
+        "set's useful tokens/s (longtail: static vs continuous batching)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=0, help="0: batch (uniform), 4 x batch (longtail)"
+    )
+    p.add_argument("--min-tokens", type=int, default=16, help="longtail: shortest budget")
+    p.add_argument("--alpha", type=float, default=1.0, help="longtail: Pareto tail index")
+    p.add_argument("--vllm", action="store_true", help="also a vLLM host on the same requests")
+    p.add_argument("--vllm-ready-s", type=float, default=600.0, help="vLLM startup deadline")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the sampler benchmark and prints its RESULT line last."""
     args = _parser().parse_args(argv)
-    if reject_nonpositive(args, ("batch", "prompt_len", "repeats")):
+    if reject_nonpositive(args, ("batch", "prompt_len", "repeats", "min_tokens")):
         return 2
-    print_result(bench_sampler(args))
+    if args.workload == "roofline" and args.vllm:
+        print("--vllm needs --workload uniform or longtail", file=sys.stderr)
+        return 2
+    print_result(bench_sampler(args) if args.workload == "roofline" else bench_workload(args))
     return 0
 
 

@@ -141,6 +141,11 @@ class WorkerPool:
         """Worker slots (each slot has one live actor, replaced when it is lost)."""
         return len(self.workers)
 
+    @property
+    def engines(self) -> int:
+        """Independent engines (one per worker), each with its own busy clock."""
+        return len(self.workers)
+
     def pids(self) -> list[int]:
         """Process ids of the current workers."""
         return [w.pid for w in self.workers]

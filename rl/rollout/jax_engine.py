@@ -1,24 +1,36 @@
-"""The built-in JAX sampler: batched prefill + chunked decode with a KV cache.
+"""The built-in JAX sampler: continuous batching over a fixed set of decode slots.
 
-Shapes are bucketed (batch, prompt length, generation length), so a run compiles a handful of
-programs and then reuses them. Decoding runs in jitted chunks of `chunk` tokens; between chunks
-the host checks for an abort (partial rollouts) and whether every row has finished.
-Each row samples with its own key (fold_in of the request seed and the token index), so a
-request's output does not depend on what it was batched with.
+Requests from any number of generate() calls wait in one queue; a scheduler thread owns the
+device state (a KV cache of `capacity` rows, one per slot) and loops: admit waiting requests
+into free slots (a batched prefill written into their rows), dispatch a jitted chunk of `chunk`
+decode steps over all slots, then read back the chunk's tokens and hand finished rows to their
+callers. On an accelerator one chunk stays in flight while the host reads the previous one
+(`overlap`), so the device never waits for the host; on a CPU, whose cores the host shares, a
+freed slot is refilled one chunk sooner instead.
+A finished row's slot takes the next waiting request at once; `continuous=False` admits only
+into an empty batch (static batching, the baseline of `launch.bench sampler --workload longtail`).
 
-The engine runs on its own `devices` (default: the first device): the params are replicated over
-them and each batch is split along its rows, so on a host with several accelerators the rollout
-can hold devices the learner does not use (trainer.rollout_devices). New weights are copied
-device to device; with `background_install` a thread installs them in order (after the
-in-flight batch under `drain`) while update_weights returns at once.
+Shapes are bucketed (slots, cache length, prefill batch and prompt length), so a run compiles a
+handful of programs. The cache grows and shrinks with the longest live row, so a decode step
+attends over the positions in use, not over prompt + budget. Each row samples with its own key
+(fold_in of the request seed and the token index), so a request's output does not depend on what
+it was batched with or when it was admitted.
+
+Weight updates land between chunks: under `drain` admissions pause until the live rows finish;
+under `continue` live rows return 'abort' partials (tokens so far, with their version) and the
+caller resubmits them. The engine runs on its own `devices` (default: the first device), params
+replicated and rows split over them; with `background_install` update_weights returns at once.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import dataclasses
 import os
-import queue
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 
@@ -28,12 +40,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.transformer import init_cache
+from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout.base import (
     UPDATE_MODES,
     Generation,
     GenerationRequest,
+    RolloutError,
     Weights,
     WeightUpdate,
 )
@@ -94,8 +107,97 @@ def _key_data(seed: int) -> np.ndarray:
     return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
 
 
+STOP_BUCKETS = (4, 8, 16, 64)
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    """Stops scheduler threads before the interpreter tears down the XLA runtime under them."""
+    for engine in list(_ENGINES):
+        engine.close()
+
+
+class _Call:
+    """One generate() call: its results, filled as rows finish, and an event once all are."""
+
+    def __init__(self, n: int):
+        self.results: list[Generation | None] = [None] * n
+        self.left = n
+        self.tokens = 0
+        self.error: BaseException | None = None
+        self.event = threading.Event()
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    """A request from submission to its Generation (host side of one slot)."""
+
+    req: GenerationRequest
+    call: _Call
+    index: int  # position in its call's request list
+    prompt_len: int
+    max_new: int
+    version: int = 0
+    slot: int = -1
+    chunks: int = 0  # decode chunks dispatched while it was live
+    finished: bool = False
+    tokens: list = dataclasses.field(default_factory=list)
+    logps: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Per-slot sampling constants on the host ([C, ...] numpy), uploaded when changed."""
+
+    keys: np.ndarray  # uint32 [C, 2]
+    temp: np.ndarray  # float32 [C]
+    top_k: np.ndarray  # int32 [C]
+    top_p: np.ndarray  # float32 [C]
+    max_new: np.ndarray  # int32 [C]
+    stop: np.ndarray  # int32 [C, n_stop], -1 pads (a token id is never -1)
+
+    @classmethod
+    def empty(cls, C: int, n_stop: int) -> _Rows:
+        return cls(
+            np.zeros((C, 2), np.uint32),
+            np.ones(C, np.float32),
+            np.zeros(C, np.int32),
+            np.ones(C, np.float32),
+            np.ones(C, np.int32),
+            np.full((C, n_stop), -1, np.int32),
+        )
+
+    def take(self, idx: np.ndarray, n_stop: int) -> _Rows:
+        """Rows idx (-1: an empty row) with the stop table widened to n_stop."""
+        out = _Rows.empty(len(idx), n_stop)
+        ok = idx >= 0
+        for f in dataclasses.fields(self):
+            src, dst = getattr(self, f.name), getattr(out, f.name)
+            if f.name == "stop":
+                dst[ok, : src.shape[1]] = src[idx[ok]]
+            else:
+                dst[ok] = src[idx[ok]]
+        return out
+
+    def set(self, slot: int, req: GenerationRequest, key: np.ndarray) -> None:
+        p = req.params
+        self.keys[slot] = key
+        self.temp[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
+        self.max_new[slot] = p.max_new_tokens
+        self.stop[slot] = -1
+        self.stop[slot, : len(p.stop_token_ids)] = p.stop_token_ids
+
+    def arrays(self) -> tuple:
+        return (self.keys, self.temp, self.top_k, self.top_p, self.max_new, self.stop)
+
+
+def _seed(req: GenerationRequest) -> int:
+    return req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
+
+
 class JaxEngine:
-    """Rollout engine running the policy in process on its own devices."""
+    """Rollout engine running the policy in process on its own devices (continuous batching)."""
 
     def __init__(
         self,
@@ -108,95 +210,96 @@ class JaxEngine:
         devices: Sequence[jax.Device] | None = None,
         update_mode: str = "drain",
         background_install: bool = False,
+        continuous: bool = True,
+        overlap: bool | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
+        if chunk < 1 or max_batch < 1:
+            raise ValueError(f"JaxEngine: chunk={chunk}, max_batch={max_batch}; both must be >= 1")
         self.update_mode = update_mode
         self.background_install = background_install
+        self.continuous = continuous
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.config = model.config
         self.devices = list(devices) if devices else [jax.devices()[0]]
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"JaxEngine: devices {self.devices} repeat a device")
         mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
-        self.replicated = NamedSharding(mesh, PartitionSpec())  # params, scalars
-        self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [B, ...] array
+        self.replicated = NamedSharding(mesh, PartitionSpec())  # params
+        self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
         self.params = self._own(params)
         self.version = version
         self.chunk = chunk
-        self.max_batch = max_batch
+        nd = len(self.devices)
+        self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
+        self.overlap = self.devices[0].platform != "cpu" if overlap is None else overlap
         self.deadline_s = deadline_s
         self._abort = threading.Event()  # set by abort(), cleared by resume()
-        self._interrupt = threading.Event()  # set while a weight update interrupts
-        self._lock = threading.Lock()  # held while a batch generates
-        self._cond = threading.Condition()
-        self._pending = 0  # weight updates waiting for the lock
-        self._updates: queue.Queue | None = None  # installs of update_weights(on_served=...)
-        self.traces = 0  # number of times a generation program was traced (compilations)
-        rows, rep = self.rows, self.replicated
-        self._prefill = jax.jit(
-            self._prefill_impl, static_argnames=("N",), out_shardings=(rows, rows, rows)
-        )
-        carry_out = (rows,) * 7 + (rep,)  # (cache, tok, pos, n, done, out_tok, out_lp), step
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), out_shardings=carry_out)
+        self._interrupt = threading.Event()  # set while a `continue` weight update waits
+        self._cv = threading.Condition()  # guards _waiting, _installs, _thread, _closed
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._installs: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._failed: BaseException | None = None
+        # The scheduler thread's own state: slots, device arrays, dispatched-but-unread work.
+        self._slots: list[_Row | None] = []
+        self._state = None  # (cache, tok, pos, n, done), each [C, ...] split over the devices
+        self._consts: _Rows | None = None
+        self._consts_dev = None
+        self._records: collections.deque = collections.deque()
+        self.traces = 0  # prefill and decode programs traced (compilations)
+        self.slot_steps = 0  # rows computed by decode steps (slots x steps)
+        self.useful_steps = 0  # of those, rows that produced a token
+        rows = self.rows
+        self._prefill = jax.jit(self._prefill_impl, out_shardings=(rows,) * 4)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=rows)
+        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2,), out_shardings=rows)
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), out_shardings=rows)
         self.pid = os.getpid()
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
         self.clock = BusyClock()
+        _ENGINES.add(self)
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, version: int, weights) -> WeightUpdate:
         """Copies `weights` onto the engine's devices and serves them as `version`.
 
-        Under `continue` an in-flight batch returns 'abort' partials at its next chunk end;
-        under `drain` it finishes first. With background_install the handle is done once the
-        copy has landed and is installed (the caller may donate its buffers at once);
+        Under `continue` live rows return 'abort' partials at the next chunk end; under `drain`
+        admissions pause until they finish. With background_install the handle is done once
+        the copy has landed and is installed (the caller may donate its buffers then);
         otherwise update_weights returns when the engine serves the version.
         """
         t0 = time.perf_counter()
         tree = Weights.of(weights).tree(self.params)
         params = self._own(jax.tree.map(lambda old, new: new.astype(old.dtype), self.params, tree))
-        t1 = time.perf_counter()
-        with self._cond:
-            self._pending += 1
-        if self.update_mode == "continue":
-            self._interrupt.set()
         handle = WeightUpdate(version)
+        with self._cv:
+            self._check_open()
+            self._installs.append((version, params, t0, time.perf_counter(), handle))
+            if self.update_mode == "continue":
+                self._interrupt.set()
+            self._wake()
         if not self.background_install:
-            self._install(version, params, t0, t1)
-            handle.set_served()
-            return handle
-        if self._updates is None:
-            self._updates = queue.Queue()
-            threading.Thread(target=self._install_loop, name="weights", daemon=True).start()
-        self._updates.put((version, params, t0, t1, handle))
+            handle.wait(self.deadline_s)
         return handle
 
-    def _install(self, version: int, params, t0: float, t1: float) -> None:
-        """Swaps in copied weights once no batch runs (drain) or at a chunk end (continue)."""
+    def _install(self) -> None:
+        """Serves the oldest queued update (no row is live)."""
+        with self._cv:
+            version, params, t0, t1, handle = self._installs.popleft()
+            if not self._installs:
+                self._interrupt.clear()
         try:
-            with self._lock:  # drain: waits for the in-flight batch; continue: for its chunk
-                self.params = params
-                self.version = version
-        finally:
-            with self._cond:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._interrupt.clear()
-                self._cond.notify_all()
+            jax.block_until_ready(params)  # served = the copy has landed on the devices
+        except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
+            handle.set_failed(e)
+            return
+        self.params, self.version = params, version
         t2 = time.perf_counter()
         self.sync_times.append({"copy_s": t1 - t0, "install_s": t2 - t1, "total_s": t2 - t0})
-
-    def _install_loop(self) -> None:
-        """Installs queued weight updates in order; reports each one served (or failed)."""
-        while True:
-            version, params, t0, t1, handle = self._updates.get()
-            try:
-                jax.block_until_ready(params)  # served = the copy has landed on the devices
-                self._install(version, params, t0, t1)
-            except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
-                handle.set_failed(e)
-                continue
-            handle.set_served()
+        handle.set_served()
 
     def _own(self, params):
         """A private copy replicated on the engine's devices (the learner donates its buffers)."""
@@ -210,186 +313,376 @@ class JaxEngine:
         return jax.tree.map(own, params)
 
     def stats(self) -> dict:
-        """Generation busy time, calls, tokens, weight installs, compilations, pid."""
+        """Busy time, calls, tokens, weight installs, compilations, slot occupancy, pid."""
         return {
             **self.clock.snapshot(),
             "updates": len(self.sync_times),
             "install_s": sum(t["install_s"] for t in self.sync_times),
             "sync_s": sum(t["total_s"] for t in self.sync_times),
             "traces": self.traces,
+            "slot_occupancy": self.useful_steps / self.slot_steps if self.slot_steps else 0.0,
             "pid": self.pid,
         }
 
     # -- compiled programs ----------------------------------------------------------------
-    def _prefill_impl(self, params, tokens_BT, lengths_B, keys_B2, temp_B, topk_B, topp_B, N):
+    def _prefill_impl(self, params, tokens_bT, lengths_b, consts_b):
+        """New rows' first tokens: (token, log-prob, done, cache [b, T]) of right-padded prompts."""
         self.traces += 1
+        keys, temp, top_k, top_p, max_new, stop = consts_b
         model = nnx.merge(self.graphdef, params, self.rest)
-        B, T = tokens_BT.shape
-        cache = init_cache(self.config, B, T + N)
-        last, cache = model.prefill(tokens_BT, lengths_B, cache, last_only=True)
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys_B2)
-        tok, lp = _sample(process_logits(last, temp_B, topk_B, topp_B), keys, temp_B)
-        return tok, lp, cache
+        b, T = tokens_bT.shape
+        last, cache = model.prefill(
+            tokens_bT, lengths_b, init_cache(self.config, b, T), last_only=True
+        )
+        keys0 = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
+        tok, lp = _sample(process_logits(last, temp, top_k, top_p), keys0, temp)
+        done = jnp.any(tok[:, None] == stop, axis=-1) | (max_new <= 1)
+        return tok, lp, done, cache
 
-    def _decode_impl(self, params, carry, keys_B2, temp_B, topk_B, topp_B, maxnew_B, stop_BS):
+    @staticmethod
+    def _insert_impl(state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache):
+        """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
+        cache, tok, pos, n, done = state
+        T = cache_b.max_len
+        put = lambda c, x: c.at[idx_b, :T].set(x.astype(c.dtype), mode="drop")
+        cache = KVCache(
+            k=tuple(map(put, cache.k, cache_b.k)), v=tuple(map(put, cache.v, cache_b.v))
+        )
+        at = lambda a, x: a.at[idx_b].set(x, mode="drop")
+        return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b)
+
+    @staticmethod
+    def _relayout_impl(state, idx_C, S):
+        """State rows idx_C (-1: an empty, finished row), the cache resized to S positions."""
+        cache, tok, pos, n, done = state
+        ok = idx_C >= 0
+        rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
+
+        def resize(c):
+            c = rows(c)
+            if S <= c.shape[1]:
+                return c[:, :S]
+            return jnp.pad(c, ((0, 0), (0, S - c.shape[1])) + ((0, 0),) * (c.ndim - 2))
+
+        cache = KVCache(k=tuple(map(resize, cache.k)), v=tuple(map(resize, cache.v)))
+        return cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok
+
+    def _decode_impl(self, params, state, live_C, consts):
+        """`chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none), log-probs,
+        done [C] as int8: a copy the host reads after the state was donated to the next chunk)."""
         self.traces += 1
+        keys, temp, top_k, top_p, max_new, stop = consts
         model = nnx.merge(self.graphdef, params, self.rest)
+        cache, tok, pos, n, done = state
+        C = tok.shape[0]
 
         def one(i, c):
-            cache, tok, pos, n, done, out_tok, out_lp, step = c
+            cache, tok, pos, n, done, toks, lps = c
             logits, cache = model.decode(tok, pos, cache)
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, step + 1))(keys_B2)
-            new, lp = _sample(process_logits(logits, temp_B, topk_B, topp_B), keys, temp_B)
+            keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
+            new, lp = _sample(process_logits(logits, temp, top_k, top_p), keys_i, temp)
             active = ~done
-            out_tok = jnp.where(
-                active[:, None] & (jnp.arange(out_tok.shape[1]) == n[:, None]),
-                new[:, None],
-                out_tok,
-            )
-            out_lp = jnp.where(
-                active[:, None] & (jnp.arange(out_lp.shape[1]) == n[:, None]), lp[:, None], out_lp
-            )
+            toks = toks.at[:, i].set(jnp.where(active, new, -1))
+            lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
             n = n + active
-            hit_stop = jnp.any(new[:, None] == stop_BS, axis=-1)
-            done = done | (active & (hit_stop | (n >= maxnew_B)))
-            return (
-                cache,
-                jnp.where(active, new, tok),
-                pos + active,
-                n,
-                done,
-                out_tok,
-                out_lp,
-                step + 1,
-            )
+            hit_stop = jnp.any(new[:, None] == stop, axis=-1)
+            done = done | (active & (hit_stop | (n >= max_new)))
+            return cache, jnp.where(active, new, tok), pos + active, n, done, toks, lps
 
-        return jax.lax.fori_loop(0, self.chunk, one, carry)
+        toks = jnp.full((C, self.chunk), -1, jnp.int32)
+        lps = jnp.zeros((C, self.chunk), jnp.float32)
+        carry = (cache, tok, pos, n, done | ~live_C, toks, lps)
+        cache, tok, pos, n, done, toks, lps = jax.lax.fori_loop(0, self.chunk, one, carry)
+        return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8)
 
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
-        """Ends in-flight generate() calls at a chunk boundary, later ones at once; see resume()."""
+        """Ends live rows at a chunk boundary ('abort' partials), later calls at once; resume()."""
         self._abort.set()
+        with self._cv:
+            self._cv.notify_all()
 
     def resume(self) -> None:
         """Undoes abort()."""
         self._abort.clear()
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
-        """Completes every request (in batches of at most max_batch)."""
-        out: list[Generation] = []
-        for i in range(0, len(requests), self.max_batch):
-            out.extend(self._generate_batch(requests[i : i + self.max_batch]))
-        return out
-
-    def _generate_batch(self, reqs: list[GenerationRequest]) -> list[Generation]:
-        n = len(reqs)
-        B = min(length_bucket(n, BATCH_BUCKETS), max(self.max_batch, n))
-        B = -(-B // len(self.devices)) * len(self.devices)  # rows split evenly over devices
-        prompt_lens = np.array([len(r.prompt_ids) for r in reqs], np.int32)
-        if prompt_lens.min() < 1:
+        """Completes every request: queued, admitted to slots as they free, results in order."""
+        if not requests:
+            return []
+        if min(len(r.prompt_ids) for r in requests) < 1:
             raise ValueError("every request needs a prompt of at least one token")
-        Tp = length_bucket(int(prompt_lens.max()), LEN_BUCKETS)
-        max_new = np.array([r.params.max_new_tokens for r in reqs], np.int32)
-        N = length_bucket(int(max_new.max()), LEN_BUCKETS)
-        tokens = np.zeros((B, Tp), np.int32)
-        for i, r in enumerate(reqs):
-            tokens[i, : prompt_lens[i]] = r.prompt_ids
-        lengths = np.ones(B, np.int32)
-        lengths[:n] = prompt_lens
-
-        def per_row(f, dtype, fill):
-            a = np.full(B, fill, dtype)
-            a[:n] = [f(r.params) for r in reqs]
-            return a
-
-        temp = per_row(lambda p: p.temperature, np.float32, 1.0)
-        topk = per_row(lambda p: p.top_k, np.int32, 0)
-        topp = per_row(lambda p: p.top_p, np.float32, 1.0)
-        maxnew = np.ones(B, np.int32)
-        maxnew[:n] = max_new
-        seeds = [
-            r.params.seed if r.params.seed is not None else zlib.crc32(r.request_id.encode())
-            for r in reqs
+        if self._abort.is_set():
+            return [_aborted(r.request_id) for r in requests]
+        call = _Call(len(requests))
+        rows = [
+            _Row(r, call, i, len(r.prompt_ids), int(r.params.max_new_tokens))
+            for i, r in enumerate(requests)
         ]
-        keys = np.zeros((B, 2), np.uint32)
-        keys[:n] = [_key_data(s) for s in seeds]
-        # Each row stops on its own request's tokens only (-1 pads; a token id is never -1).
-        n_stop = max([len(r.params.stop_token_ids) for r in reqs] + [1])
-        stop_BS = np.full((B, length_bucket(n_stop, (4, 8, 16, 64))), -1, np.int32)
-        for i, r in enumerate(reqs):
-            stop_BS[i, : len(r.params.stop_token_ids)] = r.params.stop_token_ids
-
-        with self._cond:  # a pending weight update goes first
-            if not self._cond.wait_for(lambda: self._pending == 0, timeout=self.deadline_s):
+        self.clock.enter()
+        try:
+            with self._cv:
+                self._check_open()
+                self._waiting.extend(rows)
+                self._wake()
+            if not call.event.wait(self.deadline_s):
                 raise TimeoutError(
-                    f"JaxEngine: weight update still pending after {self.deadline_s}s"
+                    f"JaxEngine: {call.left} of {len(requests)} requests unfinished after "
+                    f"{self.deadline_s}s (trainer.deadline_s)"
                 )
-        with self._lock:
-            if self._abort.is_set():  # aborted before it started: nothing generated
-                empty = np.zeros(0, np.int32)
-                return [
-                    Generation(r.request_id, empty, np.zeros(0, np.float32), empty, "abort")
-                    for r in reqs
-                ]
-            self.clock.enter()
-            gens: list[Generation] = []
-            try:
-                gens = self._generate_locked(
-                    reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n
-                )
-                return gens
-            finally:
-                self.clock.exit(sum(len(g.token_ids) for g in gens))
-
-    def _generate_locked(
-        self, reqs, tokens, lengths, keys, temp, topk, topp, maxnew, stop_BS, N, B, n
-    ):
-        params, version = self.params, self.version
-        # Every [B, ...] input split along rows over the engine's devices, once per batch, like
-        # the decode outputs fed back in: a mix of host and device arrays (or of shardings) is a
-        # different jit signature (a second trace and compile).
-        keys, temp, topk, topp, maxnew_d, stop_d, tokens_d, lengths_d = jax.device_put(
-            (keys, temp, topk, topp, maxnew, stop_BS, tokens, lengths), self.rows
-        )
-        tok, lp, cache = self._prefill(params, tokens_d, lengths_d, keys, temp, topk, topp, N=N)
-        out_tok = np.zeros((B, N), np.int32)
-        out_lp = np.zeros((B, N), np.float32)
-        tok_np, lp_np = np.asarray(tok), np.asarray(lp)
-        out_tok[:, 0], out_lp[:, 0] = tok_np, lp_np
-        n_gen = np.ones(B, np.int32)
-        done = (tok_np[:, None] == stop_BS).any(-1) | (maxnew <= 1)
-        done[n:] = True
-        rows_carry = (cache, tok, lengths, n_gen, done, out_tok, out_lp)
-        step = np.zeros((), np.int32)
-        carry = (*jax.device_put(rows_carry, self.rows), jax.device_put(step, self.replicated))
-        aborted = False
-        while not bool(np.all(np.asarray(carry[4]))):
-            if self._abort.is_set() or self._interrupt.is_set():
-                aborted = True
-                break
-            carry = self._decode(params, carry, keys, temp, topk, topp, maxnew_d, stop_d)
-        _, _, _, n_gen, done, out_tok, out_lp, _ = jax.device_get(carry)
-        gens = []
-        for i, r in enumerate(reqs):
-            k = int(n_gen[i])
-            ids = out_tok[i, :k]
-            if aborted and not done[i]:
-                reason = "abort"
-            elif k and int(ids[-1]) in r.params.stop_token_ids:
-                reason = "stop"
-            else:
-                reason = "length"
-            gens.append(
-                Generation(
-                    r.request_id,
-                    ids.astype(np.int32),
-                    out_lp[i, :k].astype(np.float32),
-                    np.full(k, version, np.int32),
-                    reason,
-                )
-            )
-        return gens
+            if call.error is not None:
+                raise RolloutError(f"JaxEngine: generation failed: {call.error!r}") from call.error
+            return call.results
+        finally:
+            self.clock.exit(call.tokens)
 
     def close(self) -> None:
-        """Ends in-flight generation (nothing else to release in process)."""
-        self.abort()
+        """Ends live and queued generations ('abort') and stops the scheduler thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        self._abort.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.deadline_s)
+
+    # -- the scheduler --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._failed is not None:
+            raise RolloutError(
+                f"JaxEngine: the scheduler failed: {self._failed!r}"
+            ) from self._failed
+        if self._closed:
+            raise RolloutError("JaxEngine: closed")
+
+    def _wake(self) -> None:
+        """Starts the scheduler thread if it is not running (called under _cv)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # noqa: BLE001 - every caller must hear of the failure
+            self._fail(e)
+
+    def _live(self) -> list[_Row]:
+        return [r for r in self._slots if r is not None]
+
+    def _step(self) -> bool:
+        """One scheduler iteration; False once the thread may exit (idle, closed)."""
+        if self._abort.is_set() or self._closed:
+            self._flush()
+            self._end_live()
+            with self._cv:
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            for r in waiting:
+                self._finish(r, "abort")
+        if self._installs:
+            if self.update_mode == "continue" and self._live():
+                self._flush()
+                self._end_live()
+            if not self._live():
+                self._flush()
+                self._install()
+                return True
+        elif not self._abort.is_set():
+            self._admit()
+        if self._live():
+            self._dispatch()
+            while len(self._records) > self.overlap:  # with overlap one chunk stays in flight
+                self._process(self._records.popleft())
+            return True
+        self._flush()
+        with self._cv:
+            if self._waiting or self._installs:
+                return True
+            if self._closed:
+                self._thread = None
+                return False
+            if not self._cv.wait(timeout=1.0) and not (self._waiting or self._installs):
+                self._thread = None  # idle: exit; the next call starts a new thread
+                return False
+        return True
+
+    def _admit(self) -> None:
+        """Moves waiting requests into free slots (growing or compacting the slots first)."""
+        live = self._live()
+        if live and not self.continuous:
+            return
+        with self._cv:
+            demand = len(live) + len(self._waiting)
+            if not self._waiting:
+                return
+        nd = len(self.devices)
+        want = min(length_bucket(demand, BATCH_BUCKETS), self.max_batch)
+        want = -(-want // nd) * nd
+        C = len(self._slots)
+        if want > C or (want < C and (not live or demand <= C // 4)):
+            self._resize(live, want)
+        free = [s for s, r in enumerate(self._slots) if r is None]
+        with self._cv:
+            rows = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        if not rows:
+            return
+        n_stop = max(len(r.req.params.stop_token_ids) for r in rows)
+        if n_stop > self._consts.stop.shape[1]:
+            self._consts = self._consts.take(
+                np.arange(len(self._slots)), length_bucket(n_stop, STOP_BUCKETS)
+            )
+        T = length_bucket(max(r.prompt_len for r in rows), LEN_BUCKETS)
+        self._fit_cache(extra=T)
+        b = -(-min(length_bucket(len(rows), BATCH_BUCKETS), self.max_batch) // nd) * nd
+        tokens = np.zeros((b, T), np.int32)
+        lengths = np.ones(b, np.int32)
+        idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
+        new = _Rows.empty(b, self._consts.stop.shape[1])
+        for i, (r, s) in enumerate(zip(rows, free)):
+            tokens[i, : r.prompt_len] = r.req.prompt_ids
+            lengths[i], idx[i] = r.prompt_len, s
+            key = _key_data(_seed(r.req))
+            new.set(i, r.req, key)
+            self._consts.set(s, r.req, key)
+            r.slot, r.version = s, self.version
+            self._slots[s] = r
+        self._consts_dev = None
+        tokens, lengths, idx, consts = jax.device_put(
+            (tokens, lengths, idx, new.arrays()), self.rows
+        )
+        tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts)
+        self._state = self._insert(self._state, idx, tok, lengths, done, cache)
+        self._records.append(("insert", rows, tok, lp))
+
+    def _resize(self, live: list[_Row], C: int) -> None:
+        """C slots: live rows kept (moved to the front when shrinking), the rest empty."""
+        if self._state is None:
+            self._slots = [None] * C
+            self._consts = _Rows.empty(C, STOP_BUCKETS[0])
+            cache = init_cache(self.config, C, LEN_BUCKETS[0])
+            zeros = np.zeros(C, np.int32)
+            state = (cache, zeros, zeros, zeros, np.ones(C, bool))
+            self._state = jax.device_put(state, self.rows)
+            return
+        if C < len(self._slots):
+            self._flush()  # records name slots by index
+            live = self._live()
+            idx = np.array([r.slot for r in live] + [-1] * (C - len(live)), np.int32)
+        else:
+            idx = np.concatenate([np.arange(len(self._slots)), np.full(C - len(self._slots), -1)])
+            idx = idx.astype(np.int32)
+        self._state = self._relayout(self._state, jax.device_put(idx, self.rows), self._S())
+        self._consts = self._consts.take(idx, self._consts.stop.shape[1])
+        self._consts_dev = None
+        slots: list[_Row | None] = [None] * C
+        for s, old in enumerate(idx):
+            if old >= 0 and self._slots[old] is not None:
+                slots[s] = self._slots[old]
+                slots[s].slot = s
+        self._slots = slots
+
+    def _S(self) -> int:
+        return self._state[0].max_len
+
+    def _fit_cache(self, extra: int = 0) -> None:
+        """Sizes the cache to what live rows can reach by the end of the next chunk."""
+        need = max(
+            [extra]
+            + [r.prompt_len + min(self.chunk * (r.chunks + 1), r.max_new - 1) for r in self._live()]
+        )
+        S = self._S()
+        if need > S or need <= S // 4:  # shrink with hysteresis: each size is a compilation
+            S = length_bucket(need, LEN_BUCKETS)
+            idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
+            self._state = self._relayout(self._state, idx, S)
+
+    def _dispatch(self) -> None:
+        """Runs one decode chunk over every slot (asynchronously; read back by _process)."""
+        self._fit_cache()
+        if self._consts_dev is None:
+            self._consts_dev = jax.device_put(self._consts.arrays(), self.rows)
+        live = np.array([r is not None for r in self._slots])
+        for r in self._slots:
+            if r is not None:
+                r.chunks += 1
+        self._state, toks, lps, done = self._decode(
+            self.params, self._state, jax.device_put(live, self.rows), self._consts_dev
+        )
+        self._records.append(("chunk", list(self._slots), toks, lps, done))
+
+    def _process(self, record) -> None:
+        """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
+        if record[0] == "insert":
+            _, rows, tok, lp = record
+            tok, lp = jax.device_get((tok, lp))
+            for i, r in enumerate(rows):
+                if not r.finished:
+                    r.tokens.append(int(tok[i]))
+                    r.logps.append(float(lp[i]))
+            return
+        _, slots, toks, lps, done = record
+        toks, lps, done = jax.device_get((toks, lps, done))
+        valid = toks >= 0
+        self.slot_steps += toks.size
+        self.useful_steps += int(valid.sum())
+        for s, r in enumerate(slots):
+            if r is None or r.finished:
+                continue
+            m = valid[s]
+            r.tokens.extend(toks[s][m].tolist())
+            r.logps.extend(lps[s][m].tolist())
+            if done[s]:
+                self._finish(r)
+
+    def _flush(self) -> None:
+        while self._records:
+            self._process(self._records.popleft())
+
+    def _end_live(self) -> None:
+        """Ends every live row with what it has ('abort')."""
+        for r in self._live():
+            self._finish(r, "abort")
+
+    def _finish(self, r: _Row, reason: str | None = None) -> None:
+        """Delivers a row's Generation; frees its slot."""
+        r.finished = True
+        if 0 <= r.slot < len(self._slots) and self._slots[r.slot] is r:
+            self._slots[r.slot] = None
+        k = len(r.tokens)
+        if reason is None:
+            stops = r.req.params.stop_token_ids
+            reason = "stop" if k and r.tokens[-1] in stops else "length"
+        gen = Generation(
+            r.req.request_id,
+            np.asarray(r.tokens, np.int32),
+            np.asarray(r.logps, np.float32),
+            np.full(k, r.version, np.int32),
+            reason,
+        )
+        call = r.call
+        call.results[r.index] = gen
+        call.tokens += k
+        call.left -= 1
+        if call.left == 0:
+            call.event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """Fails every queued and live call and queued weight update with the scheduler's error."""
+        with self._cv:
+            self._failed = error
+            self._thread = None
+            rows = list(self._waiting) + self._live()
+            self._waiting.clear()
+            installs, self._installs = list(self._installs), collections.deque()
+        for r in rows:
+            r.call.error = error
+            r.call.event.set()
+        for *_, handle in installs:
+            handle.set_failed(error)
+
+
+def _aborted(request_id: str) -> Generation:
+    empty = np.zeros(0, np.int32)
+    return Generation(request_id, empty, np.zeros(0, np.float32), empty, "abort")
