@@ -216,6 +216,13 @@ class Trainer:
         else:
             self.ckpt.save(step, self.learner.state, meta, groups)
 
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed; a write that failed fails the run."""
+        if self.remote:
+            self.learner.wait_saved()
+        else:
+            self.ckpt.wait()
+
     # -- the loop -------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         """Ends the run at the next safe point (a preemption): admission stops, the learner
@@ -232,6 +239,7 @@ class Trainer:
         are dispatched again at resume."""
         coord.stop()
         self.save(self.learner.version, coord, buffer)
+        self.wait_saved()
         summary.update(preempted=self.stop_reason, version=self.learner.version)
         return summary
 
@@ -340,6 +348,7 @@ class Trainer:
             ce = t.checkpoint_every
             if (ce and new % ce == 0) or new == t.total_updates:
                 self.save(new, coord, buffer)
+        self.wait_saved()
         summary["time/total"] = time.perf_counter() - t_start
         summary["eval/accuracy_end"] = summary.get("eval/accuracy")
         return summary

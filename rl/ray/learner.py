@@ -106,6 +106,10 @@ class LearnerActor:
         groups = {g.group_id: g for g in groups_from_arrays(packed)}
         self.ckpt.save(step, self.learner.state, {**meta, "version": self.learner.version}, groups)
 
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed (CheckpointError if it failed)."""
+        self.ckpt.wait()
+
     def close(self) -> None:
         """Waits for checkpoint writes in flight."""
         self.ckpt.close()
@@ -211,6 +215,10 @@ class RemoteLearner:
 
         packed = groups_to_arrays(list(groups.values()))
         self._get(self.handle.save.remote(step, meta, packed), "save")
+
+    def wait_saved(self) -> None:
+        """Returns once the learner's last checkpoint is committed; raises if it failed."""
+        self._get(self.handle.wait_saved.remote(), "wait_saved")
 
     def close(self) -> None:
         """Waits for checkpoint writes, then ends the actor. Idempotent."""
