@@ -259,6 +259,11 @@ class TrainerSection:
         "it), in_process (beside the learner, on its devices), split (on rollout_devices); "
         "auto: process on a CPU, in_process with one accelerator, split with two or more",
     )
+    max_rollout_restarts: int = F(
+        2,
+        "local transport: replacements of a dead rollout process (placement process) started "
+        "per run before the run fails; its groups are dispatched again (ray: ray.max_restarts)",
+    )
     rollout_cores: list[int] = F([0], "pin_cores: CPU cores of the rollout process")
     learner_cores: list[int] = F(
         [], "pin_cores: CPU cores of the learner process; empty = every core not for rollout"
@@ -444,6 +449,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     positive("trainer.max_staleness", cfg.trainer.max_staleness, allow_zero=True)
     positive("trainer.sync_every", cfg.trainer.sync_every)
     positive("trainer.deadline_s", cfg.trainer.deadline_s)
+    positive("trainer.max_rollout_restarts", cfg.trainer.max_rollout_restarts, allow_zero=True)
     positive("optim.lr", cfg.optim.lr)
     positive("sft.steps", cfg.sft.steps, allow_zero=True)
     positive("algorithm.clip_eps", cfg.algorithm.clip_eps)

@@ -26,6 +26,7 @@ from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import pin_learner
+from rl.rollout.base import WorkerLost
 from rl.sft import warm_start_run
 from rl.tasks import get_task
 
@@ -185,9 +186,15 @@ class Trainer:
         return LocalRollout(engine, self.task, self.tokenizer), engine, evaluator
 
     def evaluate(self, engine) -> dict:
-        """Greedy (by default) decoding of the held-out split: accuracy and reward."""
+        """Greedy (by default) decoding of the held-out split: accuracy and reward. An
+        evaluation whose rollout process was lost runs again on the replacement (each loss
+        uses one of the engine's limited replacements)."""
         params = build.sampling(self.cfg, greedy=True)
-        return evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
+        while True:
+            try:
+                return evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
+            except WorkerLost:
+                continue
 
     def publish(self, engine, version: int, coord: Coordinator, buffer: GroupBuffer) -> float:
         """Starts moving `engine` to the learner's weights at `version`; returns seconds. Once
