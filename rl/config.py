@@ -228,6 +228,11 @@ class RaySection:
         30.0, "a rollout worker that leaves a health check unanswered this long is replaced"
     )
     max_restarts: int = F(2, "replacement workers started per run before the run fails")
+    max_learner_restarts: int = F(
+        2,
+        "a dead learner actor is restarted from the last checkpoint this many times per run "
+        "before the run fails (updates after that checkpoint are repeated)",
+    )
     learner_cpus: float = F(1.0, "CPUs Ray reserves for the learner actor")
     learner_gpus: float = F(0.0, "GPUs Ray reserves for the learner actor (its mesh's devices)")
 
@@ -517,6 +522,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         positive("trainer.ray.worker_gpus", ray.worker_gpus, allow_zero=True)
         positive("trainer.ray.health_deadline_s", ray.health_deadline_s)
         positive("trainer.ray.max_restarts", ray.max_restarts, allow_zero=True)
+        positive("trainer.ray.max_learner_restarts", ray.max_learner_restarts, allow_zero=True)
         positive("trainer.ray.learner_cpus", ray.learner_cpus, allow_zero=True)
         positive("trainer.ray.learner_gpus", ray.learner_gpus, allow_zero=True)
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.urls:
