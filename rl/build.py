@@ -278,7 +278,9 @@ def make_engine(
         from rl.rollout.process_engine import ProcessEngine
 
         cores = place.cores.rollout if place.cores else ()
-        return ProcessEngine(learner.model, cores=cores, **common)
+        return ProcessEngine(
+            learner.model, cores=cores, max_restarts=t.max_rollout_restarts, **common
+        )
     from rl.rollout.jax_engine import JaxEngine
 
     split = place.split

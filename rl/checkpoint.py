@@ -5,11 +5,20 @@ and a JSON `meta` item with the version, the stage, and the Coordinator's and Gr
 state() (data cursor, admission state, counters). Finished but untrained groups are written
 next to it as `groups_<step>.npz` (the arrays of rl.types.groups_to_arrays), so a resumed run
 loses no finished episode and re-dispatches only what was in flight.
+
+A restore verifies what it reads: Orbax's commit markers, items Orbax can read, and the groups
+file's sha256 recorded in `meta`. A half-written or corrupt checkpoint is skipped for the one
+before it, with a warning naming it; a failed write raises CheckpointError and leaves the
+previous checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
+import shutil
+import warnings
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -18,6 +27,27 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from rl.types import EpisodeGroup, groups_from_arrays, groups_to_arrays
+
+COMMIT_MARKER = "commit_success.txt"  # Orbax's last file of a committed step and of each item
+ITEMS = ("params", "optimizer", "meta")
+GROUPS_SHA = "groups_sha256"  # the meta key holding the groups file's digest (None: no file)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or no checkpoint under a directory is valid."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped on restore (half-written or corrupt)."""
+
+
+def file_sha256(path: str) -> str:
+    """The hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def save_groups(path: str, groups: Mapping[int, EpisodeGroup] | Iterable[EpisodeGroup]) -> None:
@@ -46,6 +76,10 @@ def load_groups(path: str) -> dict[int, EpisodeGroup]:
     return {g.group_id: g for g in groups_from_arrays(arrays)}
 
 
+class Invalid(Exception):
+    """What is wrong with one checkpoint (restore skips it for the one before)."""
+
+
 class Checkpointer:
     """Saves and restores (learner state, meta, buffered groups) under run_dir/checkpoints.
 
@@ -57,12 +91,21 @@ class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 2, async_save: bool = False):
         self.directory = os.path.abspath(directory)
         self.async_save = async_save
+        self.in_flight: int | None = None  # the step an async save is writing
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, create=True, enable_async_checkpointing=async_save
             ),
         )
+
+    def step_dir(self, step: int) -> str:
+        """The directory of checkpoint `step`."""
+        return os.path.join(self.directory, str(step))
+
+    def groups_path(self, step: int) -> str:
+        """The groups file of checkpoint `step`."""
+        return os.path.join(self.directory, f"groups_{step}.npz")
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -71,58 +114,134 @@ class Checkpointer:
     def save(self, step: int, state: nnx.State, meta: dict, groups: dict | None = None) -> None:
         """Checkpoints `step`: written before returning, or (async_save) in the background.
 
-        The groups file is written first, synchronously; it counts only once Orbax commits the
-        step, and files of steps Orbax no longer keeps are removed.
+        The groups file is written first, synchronously, and its sha256 goes into meta; it
+        counts only once Orbax commits the step, and once it has, files of steps Orbax no longer
+        keeps are removed. A write that fails raises CheckpointError (an async one at the next
+        save, wait or close); earlier checkpoints stay valid.
         """
-        if step in self.manager.all_steps():  # a newer state of the same version replaces it
-            self.manager.wait_until_finished()
-            self.manager.delete(step)
-        if groups is not None:
-            save_groups(os.path.join(self.directory, f"groups_{step}.npz"), groups)
-        pure = state.to_pure_dict()
-        self.manager.save(  # waits for a save still in flight first
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(pure[0]),
-                optimizer=ocp.args.StandardSave(pure[1]),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
+        self.wait()  # a background save that failed is reported before this one starts
+        try:
+            if step in self.manager.all_steps():  # a newer state of the same version replaces it
+                self.manager.delete(step)
+            meta = {**meta, GROUPS_SHA: None}
+            path = self.groups_path(step)
+            if groups is not None:
+                save_groups(path, groups)
+                meta[GROUPS_SHA] = file_sha256(path)
+            elif os.path.exists(path):
+                os.remove(path)
+            pure = state.to_pure_dict()
+            self.in_flight = step
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(pure[0]),
+                    optimizer=ocp.args.StandardSave(pure[1]),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
+        except OSError as e:
+            raise self._failed(step, e) from e
         if not self.async_save:
-            self.manager.wait_until_finished()
-        keep = set(self.manager.all_steps()) | {step}
-        for name in os.listdir(self.directory):  # retention follows Orbax's
-            if name.startswith("groups_") and name.endswith(".npz"):
-                if int(name[len("groups_") : -len(".npz")]) not in keep:
-                    os.remove(os.path.join(self.directory, name))
+            self.wait()
+
+    def _failed(self, step: int | None, error: BaseException) -> CheckpointError:
+        """Removes what a failed save of `step` left; the error naming it and what is kept."""
+        self.in_flight = None
+        if step is not None and step not in self.manager.all_steps():
+            for left in glob.glob(self.step_dir(step) + ".orbax-checkpoint-tmp*"):
+                shutil.rmtree(left, ignore_errors=True)
+            if os.path.exists(self.groups_path(step)):
+                os.remove(self.groups_path(step))
+        kept = sorted(self.manager.all_steps())
+        return CheckpointError(
+            f"checkpoint {self.step_dir(step) if step is not None else self.directory} was not "
+            f"written: {type(error).__name__}: {error}; "
+            f"committed checkpoints kept: {kept or 'none'}"
+        )
 
     def wait(self) -> None:
-        """Returns once no save is in flight (the newest step is committed)."""
-        self.manager.wait_until_finished()
+        """Returns once no save is in flight (the newest step is committed); raises
+        CheckpointError if that save failed."""
+        try:
+            self.manager.wait_until_finished()
+        except OSError as e:
+            raise self._failed(self.in_flight, e) from e
+        self.in_flight = None
+        for name in os.listdir(self.directory):  # retention follows Orbax's, once it committed
+            if name.startswith("groups_") and name.endswith(".npz"):
+                if not os.path.isdir(self.step_dir(int(name[len("groups_") : -len(".npz")]))):
+                    os.remove(os.path.join(self.directory, name))
 
     def restore(self, state: nnx.State, step: int | None = None):
-        """(state, meta, groups) of `step` (default latest); arrays keep `state`'s shardings."""
+        """(state, meta, groups) of `step` (default: the newest valid); arrays keep `state`'s
+        shardings. A newest checkpoint that is half-written or corrupt is skipped with a
+        CheckpointWarning naming it; CheckpointError if none is valid (or `step` is not)."""
         self.wait()
-        step = self.latest_step() if step is None else step
-        if step is None:
+        self.manager.reload()  # every step on disk, also one a failed save left undeleted
+        steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state.to_pure_dict())
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(target[0]),
-                optimizer=ocp.args.StandardRestore(target[1]),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
-        nnx.replace_by_pure_dict(state, {0: restored["params"], 1: restored["optimizer"]})
-        groups = load_groups(os.path.join(self.directory, f"groups_{step}.npz"))
-        return state, restored["meta"], groups
+        problems = []
+        for s in steps:
+            try:
+                restored, groups = self._read(s, target)
+            except Invalid as e:
+                problems.append(f"{self.step_dir(s)}: {e}")
+                if s != steps[-1]:
+                    warnings.warn(
+                        f"checkpoint {self.step_dir(s)} skipped: {e}; trying the one before it",
+                        CheckpointWarning,
+                        stacklevel=2,
+                    )
+                continue
+            nnx.replace_by_pure_dict(state, {0: restored["params"], 1: restored["optimizer"]})
+            meta = dict(restored["meta"])
+            meta.pop(GROUPS_SHA, None)
+            return state, meta, groups
+        raise CheckpointError("no valid checkpoint: " + "; ".join(problems))
+
+    def _read(self, step: int, target):
+        """(Orbax's restored items, groups) of a verified `step`; raises Invalid saying why not."""
+        d = self.step_dir(step)
+        markers = [os.path.join(d, COMMIT_MARKER)]
+        markers += [os.path.join(d, item, COMMIT_MARKER) for item in ITEMS]
+        missing = [os.path.relpath(m, d) for m in markers if not os.path.exists(m)]
+        if missing:
+            raise Invalid(f"not committed (no {', '.join(missing)})")
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target[0]),
+                    optimizer=ocp.args.StandardRestore(target[1]),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - any unreadable item makes the step invalid
+            raise Invalid(f"unreadable: {type(e).__name__}: {str(e)[:300]}") from e
+        path = self.groups_path(step)
+        want = restored["meta"].get(GROUPS_SHA, "unrecorded")  # unrecorded: an older writer
+        if want is None:
+            return restored, {}
+        if want != "unrecorded":
+            if not os.path.exists(path):
+                raise Invalid(f"its groups file {path} is missing")
+            got = file_sha256(path)
+            if got != want:
+                raise Invalid(f"its groups file {path} has sha256 {got}, recorded {want}")
+        try:
+            return restored, load_groups(path)
+        except Exception as e:  # noqa: BLE001
+            raise Invalid(f"its groups file {path} is unreadable: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         """Waits for pending writes and closes the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def restore_params(directory: str, step: int | None = None) -> dict:

@@ -234,6 +234,11 @@ class RaySection:
         30.0, "a rollout worker that leaves a health check unanswered this long is replaced"
     )
     max_restarts: int = F(2, "replacement workers started per run before the run fails")
+    max_learner_restarts: int = F(
+        2,
+        "a dead learner actor is restarted from the last checkpoint this many times per run "
+        "before the run fails (updates after that checkpoint are repeated)",
+    )
     learner_cpus: float = F(1.0, "CPUs Ray reserves for the learner actor")
     learner_gpus: float = F(0.0, "GPUs Ray reserves for the learner actor (its mesh's devices)")
 
@@ -264,6 +269,11 @@ class TrainerSection:
         "where the JAX rollout engine runs: process (CPU: a process of its own; pin_cores pins "
         "it), in_process (beside the learner, on its devices), split (on rollout_devices); "
         "auto: process on a CPU, in_process with one accelerator, split with two or more",
+    )
+    max_rollout_restarts: int = F(
+        2,
+        "local transport: replacements of a dead rollout process (placement process) started "
+        "per run before the run fails; its groups are dispatched again (ray: ray.max_restarts)",
     )
     rollout_cores: list[int] = F([0], "pin_cores: CPU cores of the rollout process")
     learner_cores: list[int] = F(
@@ -451,6 +461,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     positive("trainer.max_staleness", cfg.trainer.max_staleness, allow_zero=True)
     positive("trainer.sync_every", cfg.trainer.sync_every)
     positive("trainer.deadline_s", cfg.trainer.deadline_s)
+    positive("trainer.max_rollout_restarts", cfg.trainer.max_rollout_restarts, allow_zero=True)
     positive("optim.lr", cfg.optim.lr)
     positive("sft.steps", cfg.sft.steps, allow_zero=True)
     positive("algorithm.clip_eps", cfg.algorithm.clip_eps)
@@ -518,6 +529,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         positive("trainer.ray.worker_gpus", ray.worker_gpus, allow_zero=True)
         positive("trainer.ray.health_deadline_s", ray.health_deadline_s)
         positive("trainer.ray.max_restarts", ray.max_restarts, allow_zero=True)
+        positive("trainer.ray.max_learner_restarts", ray.max_learner_restarts, allow_zero=True)
         positive("trainer.ray.learner_cpus", ray.learner_cpus, allow_zero=True)
         positive("trainer.ray.learner_gpus", ray.learner_gpus, allow_zero=True)
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.urls:

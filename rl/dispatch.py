@@ -17,7 +17,7 @@ from rl.agent import run_groups
 from rl.buffer import GroupBuffer
 from rl.coordinator import Coordinator
 from rl.metrics import BusyClock
-from rl.rollout.base import RolloutError, SamplingParams, WorkerLost
+from rl.rollout.base import SamplingParams, WorkerLost
 
 
 class LocalRollout:
@@ -35,8 +35,11 @@ class LocalRollout:
         return None if stopped() else groups
 
     def replace(self, slot: int, why: str, on_started=None) -> None:
-        """An in-process engine has no replacement: the run stops."""
-        raise RolloutError(f"the rollout engine was lost: {why}")
+        """The engine replaces a lost process itself (ProcessEngine, within
+        trainer.max_rollout_restarts; past it the engine's next call fails the run): the lost
+        groups go back to the coordinator."""
+        if on_started is not None:
+            on_started()
 
 
 class Dispatcher:

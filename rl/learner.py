@@ -19,6 +19,11 @@ from rl.logprobs import token_logprobs
 from rl.rollout.base import Weights
 from rl.types import Episode, TrainBatch
 
+
+class LearnerLost(RuntimeError):
+    """The learner's process died; a new one can start from the last checkpoint."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches
 

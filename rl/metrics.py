@@ -300,6 +300,21 @@ class MetricsWriter:
             self._time_offset = max(float(r.get("time") or 0.0) for r in rows)
         return cut
 
+    def rewind(self, step: int) -> None:
+        """Drops every line with step > `step` (the run went back to a checkpoint and logs
+        those steps again); time keeps running."""
+        with self._lock:
+            self._file.close()
+            rows = [r for r in read_metrics(self.path) if r["step"] <= step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(json.dumps(r, allow_nan=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
     def elapsed(self) -> float:
         """Seconds since the run started (continuing across resumes)."""
         return self._time_offset + (self._clock() - self._start)

@@ -24,8 +24,10 @@ from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
 from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate
+from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import pin_learner
+from rl.rollout.base import WorkerLost
 from rl.sft import warm_start_run
 from rl.tasks import get_task
 
@@ -105,6 +107,7 @@ class Trainer:
             log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
             deadline_s=cfg.trainer.deadline_s,
             pass_env=self.owns_ray,  # a joined cluster's nodes keep their own environment
+            max_restarts=r.max_learner_restarts,
         )
         return self.learner.restore() if resume else None
 
@@ -186,9 +189,15 @@ class Trainer:
         return rollout, engine, evaluator
 
     def evaluate(self, engine) -> dict:
-        """Greedy (by default) decoding of the held-out split: accuracy and reward."""
+        """Greedy (by default) decoding of the held-out split: accuracy and reward. An
+        evaluation whose rollout process was lost runs again on the replacement (each loss
+        uses one of the engine's limited replacements)."""
         params = build.sampling(self.cfg, greedy=True)
-        return evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
+        while True:
+            try:
+                return evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
+            except WorkerLost:
+                continue
 
     def publish(self, engine, version: int, coord: Coordinator, buffer: GroupBuffer) -> float:
         """Starts moving `engine` to the learner's weights at `version`; returns seconds. Once
@@ -217,6 +226,30 @@ class Trainer:
         else:
             self.ckpt.save(step, self.learner.state, meta, groups)
 
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed; a write that failed fails the run."""
+        if self.remote:
+            self.learner.wait_saved()
+        else:
+            self.ckpt.wait()
+
+    def _restart_learner(self, why: str, trained: dict, engine, coord, buffer) -> int:
+        """A learner actor that died: a new one from the newest valid checkpoint (version c),
+        up to trainer.ray.max_learner_restarts. The rollout workers and the buffer keep their
+        work; the groups the updates after c trained are counted lost (their slots freed, never
+        dispatched again); admission, the workers' weights and the metrics go back to c.
+        Returns c."""
+        self.learner.restart(why)  # the live buffer is newer than the checkpoint's groups
+        c = self.learner.version
+        buffer.lose(sum(n for v, n in trained.items() if v > c))
+        for v in [v for v in trained if v > c]:
+            del trained[v]
+        coord.publish(c)
+        self.publish(engine, c, coord, buffer)
+        self.writer.rewind(c)
+        print(f"learner restarted from checkpoint version {c}: {why}", file=sys.stderr)
+        return c
+
     # -- the loop -------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         """Ends the run at the next safe point (a preemption): admission stops, the learner
@@ -233,6 +266,7 @@ class Trainer:
         are dispatched again at resume."""
         coord.stop()
         self.save(self.learner.version, coord, buffer)
+        self.wait_saved()
         summary.update(preempted=self.stop_reason, version=self.learner.version)
         return summary
 
@@ -306,7 +340,8 @@ class Trainer:
         meter = LoopMeter(dispatcher.busy_s, dispatcher.tokens)
         row_len = build.row_length(cfg, self.task, self.tokenizer, self.eval_problems)
         unit = build.pack_unit(cfg)
-        for version in range(start, t.total_updates):
+        version, trained = start, {}  # {version: groups its update trained}, for a restart
+        while version < t.total_updates:
             t0 = time.perf_counter()
             try:
                 if self.stop_reason is not None:
@@ -315,32 +350,43 @@ class Trainer:
             except Stopped:
                 return self._preempt(coord, buffer, summary)
             t_wait = time.perf_counter() - t0
-            batch = build.update_batch(cfg, groups, row_len=row_len, unit=unit)
-            met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
-            new = self.learner.version
-            t_sync = 0.0
-            if new % t.sync_every == 0 or new == t.total_updates:
-                t_sync = self.publish(engine, new, coord, buffer)
-            row, stale = update_row(groups, batch, met, version)
-            row.update(meter.row(t_wait, t_sync), **buffer.metrics())
-            row.update(engine_metrics(engine.stats()))
-            row["staleness/bound"] = float(self.eta)
-            row["coordinator/redispatched"] = float(coord.redispatched)
-            self.writer.log_histogram(version + 1, "staleness/tokens", stale)
-            if (t.eval_every and new % t.eval_every == 0) or new == t.total_updates:
-                if evaluator is not engine:
-                    evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
-                row.update(self.evaluate(evaluator))
-            if on_update is not None:
-                on_update(new, row)
-            self.writer.log(new, new, row)
-            summary.update(row)
-            if cfg.logging.save_episodes:
-                path = os.path.join(self.episodes_dir, f"v{new:06d}.jsonl")
-                dump_episodes(path, groups, self.tokenizer, cfg.logging.save_episodes)
-            ce = t.checkpoint_every
-            if (ce and new % ce == 0) or new == t.total_updates:
-                self.save(new, coord, buffer)
+            trained[version + 1] = len(groups)
+            try:
+                batch = build.update_batch(cfg, groups, row_len=row_len, unit=unit)
+                met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
+                new = self.learner.version
+                t_sync = 0.0
+                if new % t.sync_every == 0 or new == t.total_updates:
+                    t_sync = self.publish(engine, new, coord, buffer)
+                row, stale = update_row(groups, batch, met, version)
+                row.update(meter.row(t_wait, t_sync), **buffer.metrics())
+                row.update(engine_metrics(engine.stats()))
+                row["staleness/bound"] = float(self.eta)
+                row["coordinator/redispatched"] = float(coord.redispatched)
+                if self.remote:
+                    row["learner/restarts"] = float(self.learner.restarts)
+                self.writer.log_histogram(version + 1, "staleness/tokens", stale)
+                if (t.eval_every and new % t.eval_every == 0) or new == t.total_updates:
+                    if evaluator is not engine:
+                        evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
+                    row.update(self.evaluate(evaluator))
+                if on_update is not None:
+                    on_update(new, row)
+                self.writer.log(new, new, row)
+                summary.update(row)
+                if cfg.logging.save_episodes:
+                    path = os.path.join(self.episodes_dir, f"v{new:06d}.jsonl")
+                    dump_episodes(path, groups, self.tokenizer, cfg.logging.save_episodes)
+                ce = t.checkpoint_every
+                if (ce and new % ce == 0) or new == t.total_updates:
+                    self.save(new, coord, buffer)
+                if new == t.total_updates:
+                    self.wait_saved()
+            except LearnerLost as e:
+                version = self._restart_learner(str(e), trained, engine, coord, buffer)
+                continue
+            version = new
+        self.wait_saved()
         summary["time/total"] = time.perf_counter() - t_start
         summary["eval/accuracy_end"] = summary.get("eval/accuracy")
         return summary

@@ -1,28 +1,43 @@
-"""The checkpoint's groups file (rl.types codec) and a resume of Coordinator + GroupBuffer through
-a real Checkpointer, as the trainer does it."""
+"""The checkpoint's groups file (rl.types codec), a resume of Coordinator + GroupBuffer through
+a real Checkpointer, as the trainer does it, and the integrity checks of a restore: real Orbax
+checkpoints damaged on disk, and write faults injected below Orbax."""
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import os
+import shutil
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 from flax import nnx
+from run_files import metric_rows, trained_episodes
 from test_coordinator import group, ids
 from test_types import assert_groups_equal, sample_groups
 
+from rl import config as C
 from rl.buffer import GroupBuffer
-from rl.checkpoint import Checkpointer, load_groups, save_groups
+from rl.checkpoint import (
+    COMMIT_MARKER,
+    Checkpointer,
+    CheckpointError,
+    CheckpointWarning,
+    load_groups,
+    save_groups,
+)
 from rl.coordinator import Coordinator
+from rl.trainer import Trainer, train
 
 
-def tiny_state() -> nnx.State:
+def tiny_state(scale: float = 1.0) -> nnx.State:
     """A learner-shaped state: {0: params, 1: optimizer state}."""
-    return nnx.State(
-        {0: {"w": nnx.Param(jnp.arange(6.0).reshape(2, 3))}, 1: {"m": nnx.Variable(jnp.ones(2))}}
-    )
+    w = scale * jnp.arange(6.0).reshape(2, 3)
+    return nnx.State({0: {"w": nnx.Param(w)}, 1: {"m": nnx.Variable(scale * jnp.ones(2))}})
 
 
 def test_groups_file_round_trip(tmp_path):
@@ -96,3 +111,188 @@ def test_resume_through_a_checkpoint(tmp_path):
     assert list(c2.retry) == [0, 3]  # in flight; 1, 2, 4 consumed, 5 finished
     c.publish(2)
     assert c2.capacity() - len(c2.retry) == c.capacity() - len(c.retry) == 4
+
+
+# -- integrity -------------------------------------------------------------------------------
+
+
+def two_checkpoints(directory, *, async_save=False) -> tuple[Checkpointer, list]:
+    """Steps 1 and 2 with different states, metas and groups (step s holds s groups)."""
+    ckpt = Checkpointer(directory, keep=3, async_save=async_save)
+    groups = sample_groups()
+    for step in (1, 2):
+        by_id = {g.group_id: g for g in groups[:step]}
+        ckpt.save(step, tiny_state(step), {"version": step}, by_id)
+    ckpt.wait()
+    return ckpt, groups
+
+
+def assert_restores_step_1(directory, groups, *, skipped: str = "", why: str = ""):
+    """A fresh Checkpointer restores step 1; with `skipped`, a warning names it and `why`."""
+    ckpt = Checkpointer(directory, keep=3)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state, meta, back = ckpt.restore(tiny_state(0.0))
+    finally:
+        ckpt.close()
+    assert meta == {"version": 1}
+    np.testing.assert_array_equal(np.asarray(state[0]["w"][...]), np.arange(6.0).reshape(2, 3))
+    assert_groups_equal(groups[:1], list(back.values()))
+    notes = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    if not skipped:
+        assert notes == []
+        return
+    assert len(notes) == 1, notes
+    assert skipped in notes[0] and why in notes[0], notes[0]
+
+
+def flip(path: str) -> None:
+    """Inverts a few bytes in the middle of a file (size unchanged)."""
+    data = bytearray(open(path, "rb").read())
+    for i in range(len(data) // 2, min(len(data), len(data) // 2 + 4)):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def truncate(path: str) -> None:
+    """Cuts a file to half its length, as a write that stopped midway leaves it."""
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def array_files(step_dir: str) -> list[str]:
+    """The params item's data files Orbax reads on restore (its top-level OCDBT data)."""
+    files = sorted(glob.glob(os.path.join(step_dir, "params", "d", "*")))
+    assert files, os.listdir(os.path.join(step_dir, "params"))
+    return files
+
+
+# name -> (damage to checkpoint 2, what the warning must say)
+DAMAGE = {
+    "truncated groups file": (lambda d: truncate(f"{d}/groups_2.npz"), "has sha256"),
+    "flipped groups bytes": (lambda d: flip(f"{d}/groups_2.npz"), "has sha256"),
+    "deleted groups file": (lambda d: os.remove(f"{d}/groups_2.npz"), "is missing"),
+    "deleted commit marker": (lambda d: os.remove(f"{d}/2/{COMMIT_MARKER}"), "not committed"),
+    "deleted item marker": (
+        lambda d: os.remove(f"{d}/2/optimizer/{COMMIT_MARKER}"),
+        f"no optimizer/{COMMIT_MARKER}",
+    ),
+    "truncated array file": (lambda d: [truncate(f) for f in array_files(f"{d}/2")], "unreadable"),
+    "flipped array bytes": (lambda d: [flip(f) for f in array_files(f"{d}/2")], "unreadable"),
+    "truncated meta": (lambda d: truncate(f"{d}/2/meta/metadata"), "unreadable"),
+    "deleted item": (lambda d: shutil.rmtree(f"{d}/2/params"), "not committed"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous(tmp_path, damage):
+    directory = str(tmp_path / "ckpt")
+    ckpt, groups = two_checkpoints(directory)
+    ckpt.close()
+    corrupt, why = DAMAGE[damage]
+    corrupt(directory)
+    assert_restores_step_1(directory, groups, skipped=os.path.join(directory, "2"), why=why)
+
+
+def test_no_valid_checkpoint_is_an_error_naming_each(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    ckpt, _ = two_checkpoints(directory)
+    ckpt.close()
+    flip(f"{directory}/groups_2.npz")
+    os.remove(f"{directory}/1/{COMMIT_MARKER}")
+    ckpt = Checkpointer(directory)
+    try:
+        with pytest.warns(CheckpointWarning, match="ckpt/2 skipped"):
+            with pytest.raises(CheckpointError, match="no valid checkpoint") as err:
+                ckpt.restore(tiny_state())
+        # asked for by number, a damaged step is an error, never another step
+        with pytest.raises(CheckpointError, match="ckpt/1: not committed"):
+            ckpt.restore(tiny_state(), step=1)
+    finally:
+        ckpt.close()
+    assert f"{directory}/2: its groups file" in str(err.value)
+    assert f"{directory}/1: not committed" in str(err.value)
+
+
+def enospc(*_, **__):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# Faults injected around real Orbax, below it: the groups file's write, and the file that
+# commits an Orbax step (the last file it writes before the rename that makes it visible).
+def fail_groups_write(monkeypatch):
+    monkeypatch.setattr(np, "savez", enospc)
+
+
+def fail_commit_write(monkeypatch, armed=lambda: True):
+    path_type = type(epath.Path("/"))
+    write_text = path_type.write_text
+
+    def failing(self, *args, **kwargs):
+        if self.name == COMMIT_MARKER and armed():
+            enospc()
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(path_type, "write_text", failing)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fault", [fail_groups_write, fail_commit_write], ids=lambda f: f.__name__)
+def test_fake_enospc_write_fails_clearly_and_keeps_the_previous(tmp_path, fault, async_save):
+    directory = str(tmp_path / "ckpt")
+    ckpt, groups = two_checkpoints(directory, async_save=async_save)
+    with pytest.MonkeyPatch.context() as mp:
+        fault(mp)
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(3, tiny_state(3), {"version": 3}, {g.group_id: g for g in groups[:3]})
+            ckpt.wait()  # an async save's failure comes at the next wait, save or close
+    msg = str(err.value)
+    assert f"{directory}/3 was not written" in msg and "No space left on device" in msg, msg
+    assert "kept: [1, 2]" in msg, msg
+    ckpt.close()
+    assert sorted(os.listdir(directory)) == ["1", "2", "groups_1.npz", "groups_2.npz"]
+    shutil.rmtree(f"{directory}/2")  # step 1, written before the fault, still restores
+    os.remove(f"{directory}/groups_2.npz")
+    assert_restores_step_1(directory, groups)
+
+
+RUN = [
+    "sft.steps=0",
+    "task.num_eval=4",
+    "rollout.prompts_per_update=2",
+    "rollout.group_size=4",
+    "rollout.batch_size=8",
+    "rollout.max_new_tokens=8",
+    "algorithm.filter_zero_advantage=false",
+    "trainer.checkpoint_every=1",
+    "trainer.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.save_episodes=8",  # every trained episode is dumped with its group id
+]
+
+
+def test_fake_enospc_in_a_run_fails_it_and_resume_continues(tmp_path):
+    """A real run whose (async) checkpoint of version 2 cannot commit fails with the error
+    naming it; checkpoint 1 is intact, and a resume from it trains each group once."""
+    cfg = C.load(None, [*RUN, f"run_root={tmp_path}", "name=r", "trainer.total_updates=2"])
+    armed: list[int] = []
+
+    def arm(version, row):
+        if version == 2:
+            armed.append(version)
+
+    with pytest.MonkeyPatch.context() as mp:
+        fail_commit_write(mp, armed=lambda: bool(armed))
+        with pytest.raises(CheckpointError, match="No space left on device") as err:
+            Trainer(cfg).run(on_update=arm)
+    run_dir = tmp_path / "r"
+    assert f"{run_dir}/checkpoints/2 was not written" in str(err.value)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["0", "1", "groups_0.npz", "groups_1.npz"]
+    train(
+        C.load(None, [*RUN, f"run_root={tmp_path}", "name=r", "trainer.total_updates=3"]),
+        resume=True,
+    )
+    assert [r["step"] for r in metric_rows(run_dir)] == [0, 1, 2, 3]
+    trained = trained_episodes(run_dir)  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(3 * 2) for i in range(4)]

@@ -249,7 +249,7 @@ def test_drop_policy_counts_drops():
     assert buf.counts["dropped"] == 2 and c.freed == 2
     assert buf.state()[0]["next_group"] == 3 and buf.state()[0]["consumed"] == []
     assert ids(buf.get_batch(1, 4, timeout=0.01)) == [3]
-    assert buf.counts == {"filtered": 0, "dropped": 2, "trained": 2, "finished": 4}
+    assert buf.counts == {"filtered": 0, "dropped": 2, "trained": 2, "finished": 4, "lost": 0}
     buf.put(group(5, [0, 1], version=4))
     assert ids(buf.get_batch(1, 4, timeout=0.01)) == [5]
     assert buf.state()[0]["next_group"] == 4 and buf.state()[0]["consumed"] == [5]
@@ -308,6 +308,7 @@ def test_bias_metrics_hand_values():
         "buffer/filtered": 2.0,
         "buffer/dropped": 0.0,
         "buffer/trained": 2.0,
+        "buffer/lost": 0.0,
         "buffer/finished": 4.0,
         "buffer/size": 0.0,
         "bias/length_finished": 3.0,  # (3 + 2 + 5 + 2) / 4
@@ -350,7 +351,7 @@ def test_state_round_trip():
     assert bstate == {
         "next_group": 0,
         "consumed": [1, 2, 3],
-        "counts": {"filtered": 1, "dropped": 1, "trained": 1, "finished": 4},
+        "counts": {"filtered": 1, "dropped": 1, "trained": 1, "finished": 4, "lost": 0},
     }
     assert c.state() == {"dispatched": 4, "freed": 2, "redispatched": 1}
     c2, b2 = restore(c, buf, published_version=0)
@@ -398,7 +399,7 @@ def test_resume_drop_redispatches_exactly_in_flight():
     assert b2.state()[0] == {
         "next_group": 6,
         "consumed": [],
-        "counts": {"filtered": 1, "dropped": 1, "trained": 4, "finished": 6},
+        "counts": {"filtered": 1, "dropped": 1, "trained": 4, "finished": 6, "lost": 0},
     }
     assert c2.state() == {"dispatched": 10, "freed": 2, "redispatched": 1}
 

@@ -17,7 +17,7 @@ from model_weights import randomize
 
 from models import create_model, tiny
 from rl.placement import core_split
-from rl.rollout.base import GenerationRequest, SamplingParams
+from rl.rollout.base import GenerationRequest, SamplingParams, WorkerLost
 from rl.rollout.jax_engine import JaxEngine
 from rl.rollout.process_engine import ProcessEngine, RolloutProcessError
 
@@ -178,6 +178,50 @@ def test_killed_child_raises_clear_error_within_deadline(models):
         eng.close()
 
 
+def test_killed_child_is_replaced_on_the_newest_weights_then_the_limit_stops_it(models):
+    """SIGKILL mid-generate with max_restarts=1: the generate raises WorkerLost (its work can be
+    dispatched again), the update the child took with it is served by a replacement on the new
+    weights, and later calls run there; a second SIGKILL is past the limit: a clear error."""
+    eng = ProcessEngine(
+        models[0], cores=(0,), chunk=4, deadline_s=60, name="phoenix", max_restarts=1
+    )
+    try:
+        first = eng.pid
+        reqs = _reqs(8, 2000, prefix="k")
+        err = {}
+
+        def gen():
+            try:
+                eng.generate(reqs)
+            except WorkerLost as e:
+                err["e"] = e
+
+        t = threading.Thread(target=gen)
+        t.start()
+        time.sleep(0.5)
+        errors, served = [], []  # a drain update waits behind the generate, then the kill
+        eng.update_weights(1, nnx.state(models[1], nnx.Param)).then(served.append, errors.append)
+        os.kill(first, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive()
+        msg = str(err["e"])
+        assert "phoenix" in msg and str(first) in msg and "exit code -9" in msg, msg
+        out = eng.generate(_reqs(2, 4, prefix="after"))  # waits for the replacement
+        assert eng.pid != first and eng.process.name == "phoenix.r1"
+        assert served == [1] and errors == [] and eng.version == 1
+        assert all((g.versions == 1).all() for g in out)
+        stats = eng.stats()
+        assert stats["restarts"] == 1 and stats["workers_lost"] == 1 and stats["pid"] == eng.pid
+        os.kill(eng.pid, signal.SIGKILL)
+        with pytest.raises(RolloutProcessError, match=r"1 of trainer.max_rollout_restarts=1"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the reader has seen the death
+                eng.generate(_reqs(1, 2, prefix="late"))
+                time.sleep(0.2)
+    finally:
+        eng.close()
+
+
 def test_child_dying_at_startup_raises_clear_error(models):
     """A child that cannot start (XLA aborts on an unknown flag) is an error naming it and its
     exit code, within seconds, never a hang."""
@@ -284,3 +328,89 @@ def test_pin_cores_needs_the_jax_engine():
 
     with pytest.raises(C.ConfigError, match="trainer.pin_cores.*rollout.engine 'jax'"):
         C.load(None, ["trainer.pin_cores=true", "rollout.engine=vllm"])
+
+
+# -- the trainer replaces a killed rollout process ------------------------------------------
+
+
+def kill_at_rollout_call(n: int, killed: list):
+    """on_engine hook: at the engine's n-th generate from the rollout thread, the real child is
+    stopped (SIGSTOP) as the call is sent and SIGKILLed half a second later, so the kill lands
+    while that generate is in flight. Records the killed pids."""
+
+    def hook(engine):
+        real, calls = engine.generate, []
+
+        def generate(requests):
+            if threading.current_thread().name.startswith("rollout-"):
+                calls.append(len(requests))
+                if len(calls) == n:
+                    pid = engine.pid
+                    os.kill(pid, signal.SIGSTOP)
+                    threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL)).start()
+                    killed.append(pid)
+            return real(requests)
+
+        engine.generate = generate
+
+    return hook
+
+
+RESTART_RUN = [
+    *RUN,
+    "trainer.mode=async",
+    "trainer.max_staleness=1",
+    "logging.save_episodes=8",  # every trained episode is dumped with its group id
+]
+
+
+def test_sigkilled_rollout_process_is_replaced_and_the_run_completes(tmp_path):
+    """SIGKILL of the sampler child mid-generate (trainer.placement process): a replacement on
+    the current weights takes over, the lost groups are dispatched again under their numbers,
+    every group is trained exactly once and every version is logged once."""
+    from run_files import metric_rows, trained_episodes
+
+    from rl import config as C
+    from rl.trainer import Trainer
+
+    total, killed = 4, []
+    cfg = C.load(
+        None,
+        [*RESTART_RUN, f"run_root={tmp_path}", "name=k", f"trainer.total_updates={total}"],
+    )
+    assert cfg.trainer.max_rollout_restarts == 2  # the default
+    Trainer(cfg).run(on_engine=kill_at_rollout_call(3, killed))
+    rows = metric_rows(tmp_path / "k")
+    assert [r["step"] for r in rows] == list(range(total + 1))
+    assert all(r["version"] == r["step"] for r in rows)
+    last = rows[-1]
+    assert len(killed) == 1 and last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
+    assert last["coordinator/redispatched"] >= 1  # the killed generate's groups
+    trained = trained_episodes(tmp_path / "k")  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(total * 2) for i in range(4)]
+
+
+def test_sigkilled_rollout_process_past_the_limit_fails_the_run_clearly(tmp_path):
+    from rl import config as C
+    from rl.trainer import Trainer
+
+    killed = []
+    cfg = C.load(
+        None,
+        [*RESTART_RUN, f"run_root={tmp_path}", "name=k0", "trainer.max_rollout_restarts=0"],
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rollout failed") as err:  # the learner hears of it
+        Trainer(cfg).run(on_engine=kill_at_rollout_call(1, killed))
+    assert time.monotonic() - t0 < 120
+    assert isinstance(err.value.__cause__, RolloutProcessError)
+    msg = str(err.value.__cause__)
+    assert f"pid {killed[0]}" in msg and "died (exit code -9)" in msg, msg
+    assert "0 of trainer.max_rollout_restarts=0 replacements used, the run stops" in msg, msg
+
+
+def test_max_rollout_restarts_validates():
+    from rl import config as C
+
+    with pytest.raises(C.ConfigError, match=r"trainer.max_rollout_restarts: invalid value -1"):
+        C.load(None, ["trainer.max_rollout_restarts=-1"])

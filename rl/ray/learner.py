@@ -6,13 +6,16 @@ interface (update, version, set_step_cfg, reset_optimizer) plus weights() (the f
 put into the object store by the learner process: one copy, shared by every reader) and
 save / restore of checkpoints, which the learner writes itself. Training batches travel as numpy
 arrays through the object store. Every call waits at most trainer.deadline_s; a learner that
-dies or passes the deadline fails the run with an error naming its pid and log file.
+passes the deadline fails the run with an error naming its pid and log file. A call to a learner
+that died raises LearnerActorDied; restart() then starts a new actor from the newest valid
+checkpoint, up to trainer.ray.max_learner_restarts times per run.
 """
 
 from __future__ import annotations
 
 import os
 
+from rl.learner import LearnerLost
 from rl.placement import pin_threads
 from rl.ray.cluster import redirect_output
 from rl.rollout.base import Weights
@@ -20,6 +23,10 @@ from rl.rollout.base import Weights
 
 class LearnerError(RuntimeError):
     """The learner actor died, failed to start, or passed its deadline."""
+
+
+class LearnerActorDied(LearnerError, LearnerLost):
+    """The learner actor's process died (restart() may replace it from the last checkpoint)."""
 
 
 class LearnerActor:
@@ -106,6 +113,10 @@ class LearnerActor:
         groups = {g.group_id: g for g in groups_from_arrays(packed)}
         self.ckpt.save(step, self.learner.state, {**meta, "version": self.learner.version}, groups)
 
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed (CheckpointError if it failed)."""
+        self.ckpt.wait()
+
     def close(self) -> None:
         """Waits for checkpoint writes in flight."""
         self.ckpt.close()
@@ -126,24 +137,58 @@ class RemoteLearner:
         log_dir: str = "",
         deadline_s: float = 600.0,
         pass_env: bool = True,
+        max_restarts: int = 0,
     ):
         """pass_env: the learner gets this process's XLA_FLAGS and JAX_PLATFORMS (a local
-        cluster); on a joined cluster it keeps its own node's."""
+        cluster); on a joined cluster it keeps its own node's. max_restarts: restart() calls
+        allowed (trainer.ray.max_learner_restarts)."""
         import ray
 
         self.deadline_s = deadline_s
         self.log = os.path.join(log_dir, "learner.log") if log_dir else ""
         self.pid, self.node = -1, ""
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.lost: list[str] = []  # why each restarted actor ended
         keys = ("XLA_FLAGS", "JAX_PLATFORMS") if pass_env else ()
         env = {k: os.environ[k] for k in keys if k in os.environ}
         cls = ray.remote(LearnerActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0)
-        self.handle = cls.remote(
-            cfg, os.path.abspath(run_dir), vocab_size, tuple(cores), self.log, env
-        )
+        self._args = (cfg, os.path.abspath(run_dir), vocab_size, tuple(cores), self.log, env)
+        self._cls = cls
+        self._start()
+        self._version = 0
+
+    def _start(self) -> None:
+        """A new learner actor; returns once it answers (its model built)."""
+        self.handle = self._cls.remote(*self._args)
         info = self._get(self.handle.info.remote(), "start")
         self.pid, self.node, self.config = info["pid"], info["node"], info["config"]
         self.devices = info["devices"]
-        self._version = 0
+
+    def restart(self, why: str):
+        """Replaces a learner actor that died by a new one on the newest valid checkpoint:
+        (meta, {group id: EpisodeGroup}) of that checkpoint; the version goes back to its.
+        Raises LearnerError past max_restarts, or if there is no checkpoint."""
+        if self.restarts >= self.max_restarts:
+            raise LearnerError(
+                f"{why}; {self.restarts} of trainer.ray.max_learner_restarts="
+                f"{self.max_restarts} restarts used, the run stops"
+            )
+        self.restarts += 1
+        self.lost.append(why)
+        self._kill()
+        self._start()
+        restored = self.restore()
+        if restored is None:
+            raise LearnerError(f"{why}; no checkpoint to restart the learner from")
+        return restored
+
+    def _kill(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
 
     def describe(self) -> str:
         """The learner by pid, node and log file."""
@@ -162,7 +207,7 @@ class RemoteLearner:
                 f"learner_gpus free in the cluster: {ray.available_resources()})"
             ) from e
         except ray.exceptions.RayActorError as e:
-            raise LearnerError(f"{self.describe()} died during {what}: {e}") from e
+            raise LearnerActorDied(f"{self.describe()} died during {what}: {e}") from e
         except ray.exceptions.RayTaskError as e:
             raise LearnerError(f"{self.describe()} failed {what}:\n{e}") from e
 
@@ -212,6 +257,10 @@ class RemoteLearner:
         packed = groups_to_arrays(list(groups.values()))
         self._get(self.handle.save.remote(step, meta, packed), "save")
 
+    def wait_saved(self) -> None:
+        """Returns once the learner's last checkpoint is committed; raises if it failed."""
+        self._get(self.handle.wait_saved.remote(), "wait_saved")
+
     def close(self) -> None:
         """Waits for checkpoint writes, then ends the actor. Idempotent."""
         import ray
@@ -222,8 +271,5 @@ class RemoteLearner:
             ray.get(self.handle.close.remote(), timeout=self.deadline_s)
         except ray.exceptions.RayError:
             pass
-        try:
-            ray.kill(self.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+        self._kill()
         self.handle = None

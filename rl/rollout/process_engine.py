@@ -12,8 +12,10 @@ pickled numpy over a pipe:
 The child's main thread only receives; each generate runs in its own thread and weight updates
 run in order on one update thread, so an update lands while a generate is in flight, exactly as
 with the in-process JaxEngine (`drain` waits for the running batch, `continue` makes it return
-'abort' partials at the next chunk boundary). Every wait has a deadline; a child that dies
-raises RolloutProcessError naming it and its exit code.
+'abort' partials at the next chunk boundary). Every wait has a deadline. A child that dies
+is replaced (up to max_restarts) by one on the newest weights: the calls it took with it raise
+WorkerLost, so their work is dispatched again; past the limit a call raises
+RolloutProcessError naming the child and its exit code.
 
 The child starts its own session (os.setsid), as a separately launched engine server would:
 Linux's autogroup scheduler gives each session one fair share of a busy host.
@@ -33,7 +35,14 @@ import traceback
 import numpy as np
 
 from models.params import fill_params
-from rl.rollout.base import Generation, GenerationRequest, RolloutError, Weights, WeightUpdate
+from rl.rollout.base import (
+    Generation,
+    GenerationRequest,
+    RolloutError,
+    Weights,
+    WeightUpdate,
+    WorkerLost,
+)
 
 
 class RolloutProcessError(RolloutError):
@@ -155,17 +164,24 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
 
 
 class _Pending:
-    __slots__ = ("event", "ok", "value", "callback")
+    __slots__ = ("event", "ok", "value", "callback", "lost")
 
     def __init__(self, callback=None):
         self.event = threading.Event()
         self.ok = False
         self.value = None
         self.callback = callback  # called as callback(ok, value) on the reader thread
+        self.lost = False  # the child died and a replacement is starting
 
 
 class ProcessEngine:
-    """The engine contract over a JaxEngine running in a child process (pinned to `cores`)."""
+    """The engine contract over a JaxEngine running in a child process (pinned to `cores`).
+
+    A child that dies is replaced, up to `max_restarts` times, by one serving the newest
+    weights sent: calls in flight raise WorkerLost (their work can be dispatched again), weight
+    updates in flight are served by the replacement, and later calls wait for it. Past the
+    limit, every call raises RolloutProcessError naming the child and its exit code.
+    """
 
     def __init__(
         self,
@@ -181,6 +197,7 @@ class ProcessEngine:
         xla_flags: str | None = None,
         name: str = "rollout-0",
         update_mode: str = "drain",
+        max_restarts: int = 0,
     ):
         if model is not None:
             config, params = model.config, Weights.of(model).flat()
@@ -191,88 +208,159 @@ class ProcessEngine:
         self.deadline_s = deadline_s
         self.name = name
         self.cores = tuple(cores)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.lost: list[str] = []  # why each replaced child ended
         self._stats: dict = {"busy_s": 0.0, "generate_calls": 0, "tokens": 0, "install_s": 0.0}
         self.sync_times: list[dict] = []  # per update_weights: flatten, send, install, total
         self._ids = itertools.count()
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()  # guards _pending and sending
-        self._dead: str | None = None
+        self._lock = threading.Lock()  # guards the current child's fields and sending
         self._closed = False
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        kwargs = dict(
+        self._kwargs = dict(
             chunk=chunk, max_batch=max_batch, deadline_s=deadline_s, update_mode=update_mode
         )
+        self._xla_flags = xla_flags
+        self._newest: tuple[int, dict | None] = (version, params)  # what a replacement serves
+        self._unserved: list[WeightUpdate] = []  # updates a dead child took with it
+        self._live = threading.Event()  # set while no replacement is starting
+        self._live.set()
+        self._restarter: threading.Thread | None = None
+        self._start_child(name, version, params)
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _start_child(self, name: str, version: int, params) -> None:
+        """Spawns a child serving `params` as `version` and waits until it is ready."""
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
         # Spawn arguments stay small: the spawn pipe is written before the child runs, and a
         # child that died while it was full would block Process.start() forever. The params
         # follow over the connection, which fails fast (EPIPE) if the child is gone.
-        self.process = ctx.Process(
+        process = ctx.Process(
             target=_child_main,
-            args=(child_conn, config, version, self.cores, kwargs, xla_flags),
+            args=(child_conn, self.config, version, self.cores, self._kwargs, self._xla_flags),
             name=name,
             daemon=True,
         )
-        self.process.start()
+        process.start()
         child_conn.close()
-        self._ready = _Pending()
-        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
-        self._reader.start()
-        threading.Thread(target=self._send_init, args=(params,), daemon=True).start()
+        ready, pending = _Pending(), {}
+        with self._lock:
+            self.process, self._conn, self._pending, self._ready = process, conn, pending, ready
+            self._dead: str | None = None
+            self._final = ""  # past the limit: that no replacement follows
+        reader = threading.Thread(
+            target=self._read, args=(process, conn, pending, ready), name=f"{name}-reader"
+        )
+        reader.daemon = True
+        reader.start()
+        threading.Thread(target=self._send_init, args=(conn, params), daemon=True).start()
         try:
-            info = self._wait(self._ready, "start", deadline_s)
+            info = self._wait(ready, "start", self.deadline_s)
         except RolloutProcessError:
-            self.close(timeout=5)
+            self._stop(process, conn, timeout=5)
             raise
-        self.pid = self.process.pid
+        self.pid = process.pid
         self.child_cores = tuple(info["cores"])  # the affinity the child reports
 
-    # -- plumbing -------------------------------------------------------------------------
-    def _describe(self) -> str:
-        cores = list(self.cores) or "all"
-        return f"rollout process {self.name!r} (pid {self.process.pid}, cores {cores})"
+    def _limit_note(self) -> str:
+        return (
+            f"; {self.restarts} of trainer.max_rollout_restarts={self.max_restarts} "
+            "replacements used, the run stops"
+        )
 
-    def _read(self):
-        """Receives replies; on the child's death fails every waiter."""
+    def _describe(self, process=None) -> str:
+        process = process or self.process
+        cores = list(self.cores) or "all"
+        return f"rollout process {process.name!r} (pid {process.pid}, cores {cores})"
+
+    def _read(self, process, conn, pending: dict, ready: _Pending):
+        """Receives one child's replies; on its death fails (or hands over) every waiter."""
         while True:
             try:
-                ready = mpc.wait([self._conn, self.process.sentinel])
-                if self._conn not in ready:
+                if conn not in mpc.wait([conn, process.sentinel]):
                     raise EOFError
-                msg = self._conn.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
                 break
             if msg[0] == "ready":
                 _, ok, value, _ = msg
-                self._ready.ok, self._ready.value = ok, value
-                self._ready.event.set()
+                ready.ok, ready.value = ok, value
+                ready.event.set()
                 continue
             mid, ok, value, stats = msg
             if stats:
                 self._stats = stats
             with self._lock:
-                p = self._pending.pop(mid, None)
+                p = pending.pop(mid, None)
             if p is not None:
                 p.ok, p.value = ok, value
                 p.event.set()
                 if p.callback is not None:
                     self._call(p.callback, ok, value)
-        self.process.join(timeout=5)
-        code = self.process.exitcode
-        why = "closed" if self._closed else f"died (exit code {code})"
+        process.join(timeout=5)
+        why = "closed" if self._closed else f"died (exit code {process.exitcode})"
+        dead = f"{self._describe(process)} {why}"
         with self._lock:
-            self._dead = f"{self._describe()} {why}"
-            waiting = list(self._pending.values()) + [self._ready]
-            self._pending.clear()
+            current = process is self.process
+            served = current and ready.ok and not self._closed  # a start that failed: no
+            replace = served and self._newest[1] is not None and self.restarts < self.max_restarts
+            if current:
+                self._dead = dead
+                if served and not replace:
+                    self._final = self._limit_note()
+            if replace:
+                self.restarts += 1
+                self.lost.append(dead)
+                self._live.clear()  # later calls wait for the replacement
+            waiting = list(pending.values()) + [ready]
+            pending.clear()
         for p in waiting:
+            p.lost = replace
             p.event.set()
             if p.callback is not None:
                 self._call(p.callback, False, None)
+        if replace:
+            self._restarter = threading.Thread(target=self._replace, name=f"{self.name}-restart")
+            self._restarter.daemon = True
+            self._restarter.start()
 
-    def _send_init(self, params) -> None:
+    def _replace(self) -> None:
+        """Starts replacement children (within the limit) until one is ready on the newest
+        weights; then serves the weight updates the dead child took with it."""
+        while True:
+            version, params = self._newest
+            name = f"{self.name}.r{self.restarts}"
+            try:
+                self._start_child(name, version, params)
+            except RolloutProcessError as e:
+                with self._lock:
+                    self.lost.append(str(e))
+                    if self._closed or self.restarts >= self.max_restarts:
+                        self._dead, self._final = str(e), self._limit_note()
+                        break
+                    self.restarts += 1
+                continue
+            with self._lock:
+                self.version = version
+                unserved = [u for u in self._unserved if u.version <= version]
+                self._unserved = [u for u in self._unserved if u.version > version]
+            if self._closed:
+                self._stop(self.process, self._conn, timeout=5)
+            for u in unserved:
+                u.set_served()
+            break
+        with self._lock:
+            unserved, self._unserved = self._unserved, []
+            dead = f"{self._dead}{self._final}"
+        for u in unserved:  # a later version, or none: this child will not serve it
+            u.set_failed(RolloutProcessError(f"{dead}; version {u.version} was not served"))
+        self._live.set()
+
+    def _send_init(self, conn, params) -> None:
         """Sends the initial params (a thread: the start deadline bounds the wait, not this)."""
         try:
             with self._lock:
-                self._conn.send(("init", params))
+                conn.send(("init", params))
         except (OSError, ValueError):  # the child is gone: the reader reports how
             pass
 
@@ -285,18 +373,26 @@ class ProcessEngine:
             traceback.print_exc()
 
     def _send(self, kind: str, payload=None, callback=None) -> _Pending:
+        """Sends a command to the current child (waiting while a replacement starts)."""
         p = _Pending(callback)
-        with self._lock:
-            if self._dead:
-                raise RolloutProcessError(f"{self._dead}; cannot {kind}")
-            mid = next(self._ids)
-            self._pending[mid] = p
-            try:
-                self._conn.send((kind, mid, payload))
-            except (OSError, BrokenPipeError) as e:
-                self._pending.pop(mid, None)
-                raise RolloutProcessError(f"{self._describe()}: cannot send {kind}: {e}") from e
-        return p
+        deadline = time.monotonic() + self.deadline_s
+        while True:
+            if not self._live.wait(max(0.0, deadline - time.monotonic())):
+                raise RolloutProcessError(
+                    f"{self._describe()}: no replacement ready within {self.deadline_s:.0f}s"
+                )
+            with self._lock:
+                if not self._live.is_set():  # the child died meanwhile: wait for its successor
+                    continue
+                if self._dead:
+                    raise RolloutProcessError(f"{self._dead}: cannot {kind}{self._final}")
+                mid = next(self._ids)
+                self._pending[mid] = p
+                try:
+                    self._conn.send((kind, mid, payload))
+                except OSError:  # the child is gone: its reader answers this call as it fails
+                    pass
+                return p
 
     def _wait(self, p: _Pending, what: str, timeout: float):
         if not p.event.wait(timeout):
@@ -305,14 +401,30 @@ class ProcessEngine:
                 f"(alive: {self.process.is_alive()})"
             )
         if not p.ok:
+            if p.value is None and p.lost:
+                raise WorkerLost(f"{self.lost[-1]} during {what}; a replacement is starting")
             if p.value is None:
-                raise RolloutProcessError(f"{self._dead or self._describe()} during {what}")
+                why = self._dead or self._describe()
+                raise RolloutProcessError(f"{why} during {what}{self._final}")
             raise RolloutProcessError(f"{self._describe()} failed {what}:\n{p.value}")
         return p.value
 
+    @staticmethod
+    def _stop(process, conn, timeout: float) -> None:
+        """Ends a child process: terminate, then kill; closes its connection."""
+        process.join(timeout)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout)
+        conn.close()
+
     # -- Engine protocol ------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
-        """Completes every request in the child; raises if it dies or passes the deadline."""
+        """Completes every request in the child; raises WorkerLost if it dies (and is being
+        replaced), RolloutProcessError past the restart limit or the deadline."""
         if not requests:
             return []
         return self._wait(self._send("generate", list(requests)), "generate", self.deadline_s)
@@ -321,7 +433,8 @@ class ProcessEngine:
         """Sends `weights` to the child; the handle is done once the child serves them.
 
         A host copy is taken before this returns, so the caller may donate its buffers; later
-        generate() calls are served after the update (the child keeps message order).
+        generate() calls are served after the update (the child keeps message order). If the
+        child dies first, its replacement serves them.
         """
         w = Weights.of(weights)
         t0 = time.perf_counter()
@@ -344,20 +457,29 @@ class ProcessEngine:
                 )
                 handle.set_served()
                 return
-            why = self._dead if value is None else f"{self._describe()} failed {what}:\n{value}"
-            handle.set_failed(RolloutProcessError(f"{why} during {what}" if value is None else why))
+            if value is None and not self._live.is_set():  # the replacement serves it
+                with self._lock:
+                    self._unserved.append(handle)
+                return
+            if value is None:
+                why = f"{self._dead} during {what}{self._final}"
+            else:
+                why = f"{self._describe()} failed {what}:\n{value}"
+            handle.set_failed(RolloutProcessError(why))
 
+        with self._lock:  # a replacement starts on the newest weights (only from memory)
+            self._newest = (version, flat)
         self._send("update", (version, path, flat), callback)
         sent[0] = time.perf_counter()
         return handle
 
     def abort(self) -> None:
         """Makes in-flight and later generate() calls return 'abort' partials, until resume()."""
-        if self._dead or not self.process.is_alive():
+        if self._dead or not self._live.is_set() or not self.process.is_alive():
             return  # nothing in flight can be waiting on a dead child (its waiters were failed)
         try:
             self._wait(self._send("abort"), "abort", self.deadline_s)
-        except RolloutProcessError:
+        except (RolloutProcessError, WorkerLost):
             if self.process.is_alive():
                 raise
 
@@ -366,29 +488,31 @@ class ProcessEngine:
         self._wait(self._send("resume"), "resume", self.deadline_s)
 
     def stats(self) -> dict:
-        """The child's counters now (busy time, tokens, installs, compilations, pid)."""
-        if not self._dead and self.process.is_alive():
-            self._wait(self._send("stats"), "stats", self.deadline_s)
-        return {**self._stats, "sync_s": sum(t["total_s"] for t in self.sync_times)}
+        """The child's counters now (busy time, tokens, installs, compilations, pid), plus
+        the replacements started and the children lost."""
+        if not self._dead and self._live.is_set() and self.process.is_alive():
+            try:
+                self._wait(self._send("stats"), "stats", self.deadline_s)
+            except WorkerLost:
+                pass  # died meanwhile: the last counters it sent
+        out = {**self._stats, "sync_s": sum(t["total_s"] for t in self.sync_times)}
+        return {**out, "restarts": self.restarts, "workers_lost": len(self.lost)}
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stops the child: asks, then terminates, then kills; idempotent."""
+        """Stops the child (and a replacement starting): asks, then terminates, then kills;
+        idempotent."""
         if self._closed:
             return
         self._closed = True
+        restarter = self._restarter
+        if restarter is not None:
+            restarter.join(self.deadline_s)
         if self.process.is_alive() and not self._dead:
             try:
                 self._wait(self._send("close"), "close", timeout)
-            except RolloutProcessError:
+            except (RolloutProcessError, WorkerLost):
                 pass
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout)
-        self._conn.close()
+        self._stop(self.process, self._conn, timeout)
 
     def __del__(self):
         try:
