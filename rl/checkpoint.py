@@ -5,6 +5,10 @@ and a JSON `meta` item with the version, the stage, and the Coordinator's and Gr
 state() (data cursor, admission state, counters). Finished but untrained groups are written
 next to it as `groups_<step>.npz` (the arrays of rl.types.groups_to_arrays), so a resumed run
 loses no finished episode and re-dispatches only what was in flight.
+
+A learner over several hosts checkpoints from every process: each writes its own shards, Orbax's
+primary (process 0) the metadata; the groups file and retention are process 0's. A `layout` item
+records the writers' process and device counts, so a restore that cannot fit says so.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from rl import distributed
 from rl.types import EpisodeGroup, groups_from_arrays, groups_to_arrays
 
 
@@ -77,7 +82,8 @@ class Checkpointer:
         if step in self.manager.all_steps():  # a newer state of the same version replaces it
             self.manager.wait_until_finished()
             self.manager.delete(step)
-        if groups is not None:
+        primary = distributed.is_primary()
+        if groups is not None and primary:
             save_groups(os.path.join(self.directory, f"groups_{step}.npz"), groups)
         pure = state.to_pure_dict()
         self.manager.save(  # waits for a save still in flight first
@@ -86,12 +92,13 @@ class Checkpointer:
                 params=ocp.args.StandardSave(pure[0]),
                 optimizer=ocp.args.StandardSave(pure[1]),
                 meta=ocp.args.JsonSave(meta),
+                layout=ocp.args.JsonSave(layout()),
             ),
         )
         if not self.async_save:
             self.manager.wait_until_finished()
         keep = set(self.manager.all_steps()) | {step}
-        for name in os.listdir(self.directory):  # retention follows Orbax's
+        for name in os.listdir(self.directory) if primary else ():  # retention follows Orbax's
             if name.startswith("groups_") and name.endswith(".npz"):
                 if int(name[len("groups_") : -len(".npz")]) not in keep:
                     os.remove(os.path.join(self.directory, name))
@@ -107,22 +114,50 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state.to_pure_dict())
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(target[0]),
-                optimizer=ocp.args.StandardRestore(target[1]),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target[0]),
+                    optimizer=ocp.args.StandardRestore(target[1]),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(self._misfit(step, e)) from e
         nnx.replace_by_pure_dict(state, {0: restored["params"], 1: restored["optimizer"]})
         groups = load_groups(os.path.join(self.directory, f"groups_{step}.npz"))
         return state, restored["meta"], groups
+
+    def _misfit(self, step: int, cause: BaseException) -> str:
+        """Why checkpoint `step` does not restore here: the writers' layout and this one's."""
+        try:
+            args = ocp.args.Composite(layout=ocp.args.JsonRestore())
+            saved = describe_layout(self.manager.restore(step, args=args)["layout"])
+        except Exception:  # noqa: BLE001 - a checkpoint from before the layout item
+            saved = "an unknown layout"
+        why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return (
+            f"checkpoint {os.path.join(self.directory, str(step))} does not restore into this "
+            f"learner: written by {saved}, restored by {describe_layout(layout())}; restore it "
+            f"with the model it was written with (learner.hosts and learner.mesh may differ "
+            f"when the arrays divide over the new mesh): {why}"
+        )
 
     def close(self) -> None:
         """Waits for pending writes and closes the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def layout() -> dict:
+    """This learner's process and device counts (written with each checkpoint)."""
+    return {"hosts": jax.process_count(), "devices": jax.device_count()}
+
+
+def describe_layout(lay: dict) -> str:
+    """A layout item in words."""
+    return f"{lay['hosts']} learner host(s) with {lay['devices']} device(s)"
 
 
 def restore_params(directory: str, step: int | None = None) -> dict:
