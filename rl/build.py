@@ -16,6 +16,7 @@ import optax
 from models import sharding as msh
 from models.config import ModelConfig
 from rl import config as C
+from rl import distributed
 from rl.algorithms import losses as L
 from rl.algorithms.advantages import compute_advantages
 from rl.checkpoint import Checkpointer
@@ -175,9 +176,19 @@ def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
 
 def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
     """(mesh, Learner, Checkpointer) of the run on `devices` (in process, or in the learner
-    actor of the ray transport)."""
+    actor of the ray transport). With learner.hosts > 1 (after distributed.initialize) the mesh
+    takes an equal share of every host's devices instead."""
+    import jax
+
     m = cfg.learner.mesh
     n_dev = m.data * m.fsdp * m.tensor
+    if jax.process_count() != cfg.learner.hosts:
+        raise C.ConfigError(
+            f"learner.hosts: {cfg.learner.hosts}, but this learner has {jax.process_count()} "
+            "JAX process(es) (rl.distributed.initialize joins them)"
+        )
+    if cfg.learner.hosts > 1:
+        devices = distributed.process_devices(n_dev // cfg.learner.hosts)
     if n_dev > len(devices):
         raise C.ConfigError(
             f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "

@@ -10,6 +10,10 @@ A restore verifies what it reads: Orbax's commit markers, items Orbax can read, 
 file's sha256 recorded in `meta`. A half-written or corrupt checkpoint is skipped for the one
 before it, with a warning naming it; a failed write raises CheckpointError and leaves the
 previous checkpoint as it was.
+
+A learner over several hosts checkpoints from every process: each writes its own shards, Orbax's
+primary (process 0) the metadata; the groups file and retention are process 0's. A `layout` item
+records the writers' process and device counts, so a restore that cannot fit says so.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from rl import distributed
 from rl.types import EpisodeGroup, groups_from_arrays, groups_to_arrays
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax's last file of a committed step and of each item
@@ -126,9 +131,10 @@ class Checkpointer:
             meta = {**meta, GROUPS_SHA: None}
             path = self.groups_path(step)
             if groups is not None:
-                save_groups(path, groups)
-                meta[GROUPS_SHA] = file_sha256(path)
-            elif os.path.exists(path):
+                if distributed.is_primary():  # Orbax writes meta from the primary alone
+                    save_groups(path, groups)
+                    meta[GROUPS_SHA] = file_sha256(path)
+            elif os.path.exists(path) and distributed.is_primary():
                 os.remove(path)
             pure = state.to_pure_dict()
             self.in_flight = step
@@ -138,6 +144,7 @@ class Checkpointer:
                     params=ocp.args.StandardSave(pure[0]),
                     optimizer=ocp.args.StandardSave(pure[1]),
                     meta=ocp.args.JsonSave(meta),
+                    layout=ocp.args.JsonSave(layout()),
                 ),
             )
         except OSError as e:
@@ -168,7 +175,8 @@ class Checkpointer:
         except OSError as e:
             raise self._failed(self.in_flight, e) from e
         self.in_flight = None
-        for name in os.listdir(self.directory):  # retention follows Orbax's, once it committed
+        for name in os.listdir(self.directory) if distributed.is_primary() else ():
+            # retention follows Orbax's, once it committed
             if name.startswith("groups_") and name.endswith(".npz"):
                 if not os.path.isdir(self.step_dir(int(name[len("groups_") : -len(".npz")]))):
                     os.remove(os.path.join(self.directory, name))
@@ -220,6 +228,8 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # noqa: BLE001 - any unreadable item makes the step invalid
+            if self._misfits(step, target):  # not corrupt: no checkpoint here fits this learner
+                raise ValueError(self._misfit(step, e)) from e
             raise Invalid(f"unreadable: {type(e).__name__}: {str(e)[:300]}") from e
         path = self.groups_path(step)
         want = restored["meta"].get(GROUPS_SHA, "unrecorded")  # unrecorded: an older writer
@@ -236,12 +246,52 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise Invalid(f"its groups file {path} is unreadable: {type(e).__name__}: {e}") from e
 
+    def _misfits(self, step: int, target) -> bool:
+        """Whether `step` was written by another layout or holds other param shapes."""
+        try:
+            args = ocp.args.Composite(layout=ocp.args.JsonRestore())
+            if self.manager.restore(step, args=args)["layout"] != layout():
+                return True
+        except Exception:  # noqa: BLE001 - a checkpoint from before the layout item
+            pass
+        try:
+            saved = self.manager.item_metadata(step)["params"]
+            shapes = lambda t: [tuple(x.shape) for x in jax.tree.leaves(t)]
+            return shapes(saved) != shapes(target[0])
+        except Exception:  # noqa: BLE001 - unreadable metadata: corrupt, not a misfit
+            return False
+
+    def _misfit(self, step: int, cause: BaseException) -> str:
+        """Why checkpoint `step` does not restore here: the writers' layout and this one's."""
+        try:
+            args = ocp.args.Composite(layout=ocp.args.JsonRestore())
+            saved = describe_layout(self.manager.restore(step, args=args)["layout"])
+        except Exception:  # noqa: BLE001 - a checkpoint from before the layout item
+            saved = "an unknown layout"
+        why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return (
+            f"checkpoint {self.step_dir(step)} does not restore into this learner: written by "
+            f"{saved}, restored by {describe_layout(layout())}; restore it with the model it was "
+            f"written with (learner.hosts and learner.mesh may differ when the arrays divide over "
+            f"the new mesh): {why}"
+        )
+
     def close(self) -> None:
         """Waits for pending writes and closes the manager."""
         try:
             self.wait()
         finally:
             self.manager.close()
+
+
+def layout() -> dict:
+    """This learner's process and device counts (written with each checkpoint)."""
+    return {"hosts": jax.process_count(), "devices": jax.device_count()}
+
+
+def describe_layout(lay: dict) -> str:
+    """A layout item in words."""
+    return f"{lay['hosts']} learner host(s) with {lay['devices']} device(s)"
 
 
 def restore_params(directory: str, step: int | None = None) -> dict:

@@ -222,6 +222,11 @@ class LearnerSection:
     pack_length: int = F(256, "row length of packed batches")
     minibatches: int = F(1, "optimizer steps per consumed batch (PPO minibatches)")
     logprob_chunk: int = F(0, "vocab chunk of the log-prob computation; 0 = full vocab at once")
+    hosts: int = F(
+        1,
+        "learner processes (one per host, jax.distributed), each giving learner.mesh an equal "
+        "share of its devices; > 1 needs trainer.transport ray (docs/clusters.md)",
+    )
 
 
 @dataclasses.dataclass
@@ -470,6 +475,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     positive("learner.micro_batch_size", cfg.learner.micro_batch_size, allow_zero=True)
     for axis in ("data", "fsdp", "tensor"):
         positive(f"learner.mesh.{axis}", getattr(cfg.learner.mesh, axis))
+    _check_hosts(cfg)
     from rl.algorithms.advantages import advantage_spec
     from rl.algorithms.losses import loss_spec
 
@@ -613,6 +619,25 @@ def _check_model_overrides(cfg: RunConfig) -> None:
             ok, want = _is_number(value) and isinstance(value, int) and value > 0, "a positive int"
         if not ok:
             raise ConfigError(f"model.overrides.{key}: invalid value {value!r}; expected {want}")
+
+
+def _check_hosts(cfg: RunConfig) -> None:
+    """learner.hosts: a positive share of the mesh per host, driven by the ray transport."""
+    n, m = cfg.learner.hosts, cfg.learner.mesh
+    size = m.data * m.fsdp * m.tensor
+    if n < 1:
+        raise ConfigError(f"learner.hosts: invalid value {n}; must be > 0")
+    if size % n:
+        raise ConfigError(
+            f"learner.hosts: invalid value {n}; must divide the {size} devices of learner.mesh "
+            f"{m.data}x{m.fsdp}x{m.tensor} (each host gives the mesh an equal share); valid: "
+            f"{', '.join(str(k) for k in range(1, size + 1) if size % k == 0)}"
+        )
+    if n > 1 and cfg.trainer.transport != "ray":
+        raise ConfigError(
+            f"learner.hosts: {n} needs trainer.transport 'ray' (the trainer drives one learner "
+            f"actor per host), got {cfg.trainer.transport!r}; valid with it: 1"
+        )
 
 
 def _is_number(value) -> bool:

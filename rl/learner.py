@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from models import sharding as msh
+from rl import distributed
 from rl.algorithms import losses as L
 from rl.logprobs import token_logprobs
 from rl.rollout.base import Weights
@@ -344,19 +345,32 @@ class Learner:
             model, _ = nnx.merge(graphdef, state)
             return policy_logprobs(model, b, cfg)[0]
 
-        return jax.jit(logp, in_shardings=(self.state_sharding, _batch_sharding(self.mesh)))
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(
+            logp,
+            in_shardings=(self.state_sharding, _batch_sharding(self.mesh)),
+            out_shardings=replicated,  # every host reads the whole [B, T] back
+        )
 
     # -- public ---------------------------------------------------------------------------
     def _device_batch(self, batch: TrainBatch | dict) -> dict:
+        """The batch on the mesh. Every process holds the whole host batch (the trainer's, or
+        the object store's copy on each learner host) and places only its devices' rows: the
+        global shape is the local one, so no host needs to know the others' slices."""
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         arrays.pop("versions", None)
-        return jax.device_put(arrays, _batch_sharding(self.mesh))
+        sharding = _batch_sharding(self.mesh)
+        return {
+            k: jax.make_array_from_process_local_data(sharding, np.asarray(v), np.shape(v))
+            for k, v in arrays.items()
+        }
 
     def logprobs(self, batch: TrainBatch) -> np.ndarray:
         """log p(target) [B, T] under the current params (at the learner's temperature)."""
         if self._logp is None:
             self._logp = self._compile_logp()
-        return np.asarray(self._logp(self.state, self._device_batch(batch)))
+        out = distributed.wait(self._logp(self.state, self._device_batch(batch)), "logprobs")
+        return np.asarray(out)
 
     def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
         """One policy update on a batch (split into `minibatches` optimizer steps)."""
@@ -384,6 +398,7 @@ class Learner:
         for i in range(minibatches):  # sliced on host, then placed with the batch sharding
             mb = {k: np.asarray(v)[i * per : (i + 1) * per] for k, v in arrays.items()}
             self.state, met = self._train(self.state, self._device_batch(mb))
+            met = distributed.wait(met, "update")  # a lost learner host fails, not hangs
             for k, v in met.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches
         self.version += 1

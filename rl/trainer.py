@@ -96,7 +96,9 @@ class Trainer:
         from rl.ray.learner import RemoteLearner
 
         cfg, r = self.cfg, self.cfg.trainer.ray
-        self.owns_ray = connect(r.address, need_cpus=r.num_workers * r.worker_cpus + r.learner_cpus)
+        self.owns_ray = connect(
+            r.address, need_cpus=r.num_workers * r.worker_cpus + r.learner_cpus * cfg.learner.hosts
+        )
         self.learner = RemoteLearner(
             cfg,
             self.run_dir,

@@ -362,6 +362,41 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
 
 
+def test_two_learner_hosts_run_in_lockstep(cluster, tmp_path):
+    """learner.hosts=2: two learner actors joined by jax.distributed (a 2 x 2 mesh, fsdp across
+    them) train a short run to the end; each logs its host id, the final checkpoint records two
+    writers, every finished episode is trained exactly once, and both actors end with the run."""
+    total = 2
+    cfg = _cfg(
+        str(tmp_path),
+        "hosts",
+        f"trainer.total_updates={total}",
+        "learner.hosts=2",
+        "learner.mesh.fsdp=2",
+        "learner.mesh.tensor=2",
+    )
+    trainer = Trainer(cfg)
+    learner = trainer.learner
+    assert learner.hosts == 2 and len(set(learner.pids)) == 2
+    assert os.getpid() not in learner.pids and len(learner.devices) == 4
+    trainer.run()
+    rows = metric_rows(trainer.run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
+    assert all(np.isfinite(r["loss/loss"]) for r in rows[1:])
+    trained = trained_episodes(trainer.run_dir)
+    assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    for i, pid in enumerate(learner.pids):
+        with open(os.path.join(trainer.run_dir, "logs", f"learner-{i}.log")) as f:
+            text = f.read()
+        assert f"learner: pid {pid}, host {i} of 2," in text
+        assert f"learner host {1 - i} (pid {learner.pids[1 - i]} on " in text  # the roster
+        assert _gone(pid)  # ended with the run
+    ckpt = os.path.join(trainer.run_dir, "checkpoints")
+    layout = os.path.join(ckpt, str(total), "layout", "metadata")
+    with open(layout) as f:
+        assert '"hosts": 2' in f.read()
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_path):

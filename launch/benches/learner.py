@@ -103,8 +103,12 @@ def synthetic_batch(vocab: int, batch: int, seq: int, seed: int = 0):
 def bench_learner(args) -> dict:
     """Times Learner.update on a synthetic batch; prints and returns the figures."""
     from models import create_model, make_mesh
+    from rl import distributed
     from rl.learner import Learner, StepConfig, make_optimizer
 
+    # --hosts N: this process is one of N (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    # JAX_PROCESS_ID, or the cluster's own variables), each giving the mesh devices / N devices.
+    distributed.initialize(args.hosts)
     kind, peak_flops, _ = device_summary()
     attention = args.attention or default_attention()
     cfg = model_config(
@@ -121,7 +125,12 @@ def bench_learner(args) -> dict:
         f"attention={attention} logprob_chunk={chunk} segments={args.segments} "
         f"batch={B}x{T} loss=ppo_clip"
     )
-    mesh = make_mesh(devices=jax.devices()[:1])
+    if args.devices % args.hosts:
+        raise ValueError(f"--devices {args.devices} does not split over --hosts {args.hosts}")
+    per_host = args.devices // args.hosts
+    devices = distributed.process_devices(per_host) if args.hosts > 1 else jax.devices()
+    mesh = make_mesh(1, args.devices, 1, devices=devices[: args.devices])  # fsdp over all
+    print(f"mesh: fsdp={args.devices} over {args.hosts} process(es), {per_host} device(s) each")
     t0 = time.perf_counter()
     model = create_model(cfg, mesh, seed=0)
     jax.block_until_ready(jax.tree.leaves(model))
@@ -147,6 +156,7 @@ def bench_learner(args) -> dict:
     tokens = B * T
     fl = learner_flops(cfg, T, remat=cfg.remat, chunk=chunk)
     flops_s = fl.model * tokens / step_s
+    peak_flops = peak_flops * args.devices if peak_flops else peak_flops  # the whole mesh's
     mfu = flops_s / peak_flops if peak_flops else None
     mfu_causal = fl.model_causal * tokens / step_s / peak_flops if peak_flops else None
     hfu = fl.executed * tokens / step_s / peak_flops if peak_flops else None
@@ -285,6 +295,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="full", choices=("full", "dots_saveable", "none"))
     p.add_argument("--chunk", type=int, help="log-prob vocab chunk; 0 = full logits; default auto")
     p.add_argument("--segments", default="mask", choices=("mask", "none"))
+    p.add_argument("--devices", type=int, default=1, help="devices of the mesh (fsdp axis)")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="processes the mesh spans (this one of them; docs/clusters.md: the environment)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--breakdown", action="store_true", help="also time body and head alone")
@@ -297,7 +314,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs the learner benchmark and prints its RESULT line last."""
     args = _parser().parse_args(argv)
-    if reject_nonpositive(args, ("batch", "seq", "steps", "warmup"), zero_ok=("warmup",)):
+    if reject_nonpositive(
+        args, ("batch", "seq", "steps", "warmup", "devices", "hosts"), zero_ok=("warmup",)
+    ):
         return 2
     print_result(bench_learner(args))
     return 0

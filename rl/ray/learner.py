@@ -1,32 +1,38 @@
-"""The learner actor of the `ray` transport and the driver's client of it.
+"""The learner actors of the `ray` transport and the driver's client of them.
 
-LearnerActor is a process holding the sharded Learner (mesh, model, optimizer), its Orbax
-Checkpointer and the compiled steps. RemoteLearner is the driver's handle with the Learner's
-interface (update, version, set_step_cfg, reset_optimizer) plus weights() (the flat numpy params
-put into the object store by the learner process: one copy, shared by every reader) and
-save / restore of checkpoints, which the learner writes itself. Training batches travel as numpy
-arrays through the object store. Every call waits at most trainer.deadline_s; a learner that
-passes the deadline fails the run with an error naming its pid and log file. A call to a learner
-that died raises LearnerActorDied; restart() then starts a new actor from the newest valid
-checkpoint, up to trainer.ray.max_learner_restarts times per run.
+A LearnerActor is a process holding the sharded Learner (mesh, model, optimizer), its Orbax
+Checkpointer and the compiled steps. With learner.hosts = N there are N of them, one per bundle
+of a Ray placement group, joined by jax.distributed into one learner over one global mesh: they
+run every call in lockstep. RemoteLearner is the driver's handle with the Learner's interface
+(update, version, set_step_cfg, reset_optimizer) plus weights() (the flat numpy params put into
+the object store by process 0: one copy, shared by every reader) and save / restore of
+checkpoints, which the learner hosts write themselves. Training batches travel as numpy arrays
+through the object store (every host reads the whole batch and places its own rows). Every call
+waits at most trainer.deadline_s; a host that passes the deadline fails the run with an error
+naming its process id, pid and log file. A call to a learner host that died raises
+LearnerActorDied; restart() then starts new actors from the newest valid checkpoint, up to
+trainer.ray.max_learner_restarts times per run.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from rl.learner import LearnerLost
 from rl.placement import pin_threads
 from rl.ray.cluster import redirect_output
 from rl.rollout.base import Weights
 
+GRACE_S = 5.0  # after one host fails, how long the others get to report (a died one is named)
+
 
 class LearnerError(RuntimeError):
-    """The learner actor died, failed to start, or passed its deadline."""
+    """A learner actor died, failed to start, or passed its deadline."""
 
 
 class LearnerActorDied(LearnerError, LearnerLost):
-    """The learner actor's process died (restart() may replace it from the last checkpoint)."""
+    """A learner actor's process died (restart() may replace the hosts from the last checkpoint)."""
 
 
 class LearnerActor:
@@ -40,20 +46,49 @@ class LearnerActor:
         cores: tuple[int, ...] = (),
         log_path: str = "",
         env: dict | None = None,
+        process_id: int = 0,
     ):
+        """Nothing of JAX yet: start() builds the learner once every host's actor exists."""
         self.log_path = log_path
         redirect_output(log_path)
         for k, v in (env or {}).items():  # before JAX initialises its backend (XLA_FLAGS)
             os.environ[k] = v
         if cores:
             pin_threads(cores)
+        self.cfg, self.run_dir, self.vocab_size = cfg, run_dir, vocab_size
+        self.process_id = process_id
+
+    def coordinator(self) -> str:
+        """host:port for the jax.distributed coordinator, free on this actor's node (actor 0)."""
+        import ray
+
+        from rl.distributed import free_port
+
+        node = ray.util.get_node_ip_address()
+        return f"{node}:{free_port(node)}"
+
+    def start(self, coordinator: str | None) -> None:
+        """Joins the learner hosts (learner.hosts > 1), then builds mesh, learner, checkpointer."""
+        from rl import distributed
+
+        cfg = self.cfg
+        distributed.initialize(
+            cfg.learner.hosts,
+            coordinator_address=coordinator,
+            process_id=self.process_id,
+            log=self.log_path,
+            deadline_s=cfg.trainer.deadline_s,
+        )
         import jax
 
         from rl.build import make_learner
 
-        self.mesh, self.learner, self.ckpt = make_learner(cfg, vocab_size, jax.devices(), run_dir)
+        self.mesh, self.learner, self.ckpt = make_learner(
+            cfg, self.vocab_size, jax.devices(), self.run_dir
+        )
         print(
-            f"learner: pid {os.getpid()}, devices {list(self.mesh.devices.flat)}, "
+            f"learner: pid {os.getpid()}, host {self.process_id} of {cfg.learner.hosts}, devices "
+            f"{[d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]}, "
             f"cores {sorted(os.sched_getaffinity(0))}",
             flush=True,
         )
@@ -99,12 +134,20 @@ class LearnerActor:
         self.learner.reset_optimizer(tx)
 
     def weights(self) -> list:
-        """[ObjectRef] of the params as flat numpy arrays, put into the store by this process."""
+        """[ObjectRef] of the params as flat numpy arrays, put into the store by process 0 ([None]
+        on the other hosts). Every host takes part in the gather (distributed.gather_to_primary
+        states its memory cost)."""
         import ray
 
         from models.params import flat_params
+        from rl import distributed
 
-        return [ray.put(flat_params(self.learner.params()))]
+        host = distributed.gather_to_primary(self.learner.params())
+        return [ray.put(flat_params(host))] if distributed.is_primary() else [None]
+
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed (CheckpointError if it failed)."""
+        self.ckpt.wait()
 
     def save(self, step: int, meta: dict, packed: dict) -> None:
         """Checkpoints the learner state with the driver's meta and buffered groups."""
@@ -113,17 +156,14 @@ class LearnerActor:
         groups = {g.group_id: g for g in groups_from_arrays(packed)}
         self.ckpt.save(step, self.learner.state, {**meta, "version": self.learner.version}, groups)
 
-    def wait_saved(self) -> None:
-        """Returns once the last checkpoint is committed (CheckpointError if it failed)."""
-        self.ckpt.wait()
-
     def close(self) -> None:
         """Waits for checkpoint writes in flight."""
         self.ckpt.close()
 
 
 class RemoteLearner:
-    """The driver's handle on a LearnerActor, with the Learner interface the trainer uses."""
+    """The driver's handle on the learner actors (one per learner host), with the Learner
+    interface the trainer uses; every call goes to every host, results come from host 0."""
 
     def __init__(
         self,
@@ -145,27 +185,52 @@ class RemoteLearner:
         import ray
 
         self.deadline_s = deadline_s
-        self.log = os.path.join(log_dir, "learner.log") if log_dir else ""
+        self.hosts = n = cfg.learner.hosts
+        names = ["learner"] if n == 1 else [f"learner-{i}" for i in range(n)]
+        self.logs = [os.path.join(log_dir, f"{name}.log") if log_dir else "" for name in names]
+        self.log = self.logs[0]
+        self.pids, self.nodes = [-1] * n, [""] * n
         self.pid, self.node = -1, ""
         self.max_restarts, self.restarts = max_restarts, 0
-        self.lost: list[str] = []  # why each restarted actor ended
+        self.lost: list[str] = []  # why each restarted learner ended
+        self.handles: list = []
         keys = ("XLA_FLAGS", "JAX_PLATFORMS") if pass_env else ()
         env = {k: os.environ[k] for k in keys if k in os.environ}
-        cls = ray.remote(LearnerActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0)
-        self._args = (cfg, os.path.abspath(run_dir), vocab_size, tuple(cores), self.log, env)
-        self._cls = cls
+        self._cls, self._env, self._args = ray.remote(LearnerActor), env, (cfg, run_dir, vocab_size)
+        self._cpus, self._gpus, self._cores = cpus, gpus, tuple(cores)
+        self.group = self._placement_group(cpus, gpus) if n > 1 else None
         self._start()
         self._version = 0
 
     def _start(self) -> None:
-        """A new learner actor; returns once it answers (its model built)."""
-        self.handle = self._cls.remote(*self._args)
-        info = self._get(self.handle.info.remote(), "start")
-        self.pid, self.node, self.config = info["pid"], info["node"], info["config"]
-        self.devices = info["devices"]
+        """New learner actors (one per host, joined); returns once they answer."""
+        cfg, run_dir, vocab_size = self._args
+        cls, env, cpus, gpus = self._cls, self._env, self._cpus, self._gpus
+        n = self.hosts
+        self.handles = []
+        for i in range(n):
+            opts = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0}
+            if self.group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=i
+                )
+            self.handles.append(
+                cls.options(**opts).remote(
+                    cfg, os.path.abspath(run_dir), vocab_size, self._cores, self.logs[i], env, i
+                )
+            )
+        address = self._get(self.handles[0].coordinator.remote(), "start") if n > 1 else None
+        self._all("start", address)
+        infos = self._all("info")
+        self.pids = [info["pid"] for info in infos]
+        self.nodes = [info["node"] for info in infos]
+        self.pid, self.node, self.config = self.pids[0], self.nodes[0], infos[0]["config"]
+        self.devices = infos[0]["devices"]  # the global mesh's, the same on every host
 
     def restart(self, why: str):
-        """Replaces a learner actor that died by a new one on the newest valid checkpoint:
+        """Replaces learner hosts of which one died by new ones on the newest valid checkpoint:
         (meta, {group id: EpisodeGroup}) of that checkpoint; the version goes back to its.
         Raises LearnerError past max_restarts, or if there is no checkpoint."""
         if self.restarts >= self.max_restarts:
@@ -185,31 +250,91 @@ class RemoteLearner:
     def _kill(self) -> None:
         import ray
 
+        for h in self.handles:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.handles = []
+
+    def _placement_group(self, cpus: float, gpus: float):
+        """One bundle per learner host, SPREAD: on a cluster the hosts land on different nodes
+        where they fit, and on one machine (a local cluster, as in the tests) they all land on it;
+        STRICT_SPREAD would demand a node per host and never place on one machine."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundle = {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+        if not bundle:
+            raise LearnerError(
+                "learner.hosts > 1 needs trainer.ray.learner_cpus or learner_gpus > 0 (one "
+                "placement group bundle per host)"
+            )
+        group = placement_group([bundle] * self.hosts, strategy="SPREAD")
         try:
-            ray.kill(self.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+            ray.get(group.ready(), timeout=self.deadline_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(group)
+            raise LearnerError(
+                f"{self.hosts} learner hosts of {bundle} each could not be placed within "
+                f"trainer.deadline_s={self.deadline_s:g}s (free: {ray.available_resources()})"
+            ) from None
+        return group
 
-    def describe(self) -> str:
-        """The learner by pid, node and log file."""
-        log = self.log or "the Ray worker logs (/tmp/ray/session_latest/logs on its node)"
-        return f"learner actor (pid {self.pid}, node {self.node or '?'}; log: {log})"
+    def describe(self, host: int = 0) -> str:
+        """A learner host by process id, pid, node and log file."""
+        log = self.logs[host] or "the Ray worker logs (/tmp/ray/session_latest/logs on its node)"
+        where = f"pid {self.pids[host]}, node {self.nodes[host] or '?'}; log: {log}"
+        return f"learner actor ({where})" if self.hosts == 1 else f"learner host {host} ({where})"
 
-    def _get(self, ref, what: str):
+    def _get(self, ref, what: str, host: int = 0):
+        """One host's answer to `what`."""
+        return self._gather([ref], what, hosts=[host])[0]
+
+    def _all(self, method: str, *args) -> list:
+        """Every host's answer to method(*args), called on all of them (lockstep)."""
+        refs = [getattr(h, method).remote(*args) for h in self.handles]
+        return self._gather(refs, method)
+
+    def _gather(self, refs: list, what: str, hosts: list[int] | None = None) -> list:
+        """ray.get of one ref per host within the deadline. When a host fails, the others get
+        GRACE_S to report, so the error names a host that died rather than its survivors."""
         import ray
 
-        try:
-            return ray.get(ref, timeout=self.deadline_s)
-        except ray.exceptions.GetTimeoutError as e:
+        hosts = list(range(len(refs))) if hosts is None else hosts
+        t0 = time.monotonic()
+        pending, failed = list(refs), {}
+        while pending:
+            left = self.deadline_s - (time.monotonic() - t0)
+            if failed:
+                left = min(left, GRACE_S - (time.monotonic() - failed["t"]))
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                host = hosts[refs.index(ref)]
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    failed.setdefault("t", time.monotonic())
+                    failed[host] = f"{self.describe(host)} died during {what}: {e}"
+                except ray.exceptions.RayTaskError as e:
+                    failed.setdefault("t", time.monotonic())
+                    failed[host] = f"{self.describe(host)} failed {what}:\n{e}"
+        failed.pop("t", None)
+        if failed:
+            died = [m for m in failed.values() if " died during " in m]
+            if died:
+                raise LearnerActorDied("\n".join(died))
+            raise LearnerError("\n".join(failed.values()))
+        if pending:
+            late = ", ".join(self.describe(hosts[refs.index(r)]) for r in pending)
             raise LearnerError(
-                f"{self.describe()}: no answer to {what} within trainer.deadline_s="
-                f"{self.deadline_s:g}s (still scheduling? it needs trainer.ray.learner_cpus / "
-                f"learner_gpus free in the cluster: {ray.available_resources()})"
-            ) from e
-        except ray.exceptions.RayActorError as e:
-            raise LearnerActorDied(f"{self.describe()} died during {what}: {e}") from e
-        except ray.exceptions.RayTaskError as e:
-            raise LearnerError(f"{self.describe()} failed {what}:\n{e}") from e
+                f"{late}: no answer to {what} within trainer.deadline_s={self.deadline_s:g}s "
+                f"(still scheduling? it needs trainer.ray.learner_cpus / learner_gpus free in "
+                f"the cluster: {ray.available_resources()})"
+            )
+        return [ray.get(r) for r in refs]
 
     @property
     def version(self) -> int:
@@ -218,32 +343,35 @@ class RemoteLearner:
 
     @version.setter
     def version(self, v: int) -> None:
-        self._get(self.handle.set_version.remote(v), "set_version")
+        self._all("set_version", v)
         self._version = v
 
     def update(self, batch, *, minibatches: int = 1) -> dict[str, float]:
-        """One policy update on the learner (the batch goes through the object store)."""
-        met, self._version = self._get(self.handle.update.remote(batch, minibatches), "update")
+        """One policy update on every host (the batch goes through the object store once)."""
+        import ray
+
+        ref = ray.put(batch)
+        met, self._version = self._all("update", ref, minibatches)[0]
         return met
 
     def set_step_cfg(self, step_cfg) -> None:
         """Switches the learner's compiled step."""
-        self._get(self.handle.set_step_cfg.remote(step_cfg), "set_step_cfg")
+        self._all("set_step_cfg", step_cfg)
 
     def reset_optimizer(self, tx) -> None:
         """A fresh optimizer state on the learner."""
-        self._get(self.handle.reset_optimizer.remote(tx), "reset_optimizer")
+        self._all("reset_optimizer", tx)
 
     def weights(self) -> Weights:
-        """The current params as Weights: flat numpy arrays the learner puts into the object
-        store (once, when an engine first asks for them)."""
-        return Weights(make_ref=lambda: self._get(self.handle.weights.remote(), "weights")[0])
+        """The current params as Weights: flat numpy arrays host 0 puts into the object store
+        (once, when an engine first asks for them)."""
+        return Weights(make_ref=lambda: self._all("weights")[0][0])
 
     def restore(self):
         """(meta, {group id: EpisodeGroup}) of the newest checkpoint, or None; sets version."""
         from rl.types import groups_from_arrays
 
-        out = self._get(self.handle.restore.remote(), "restore")
+        out = self._all("restore")[0]
         if out is None:
             return None
         meta, packed = out
@@ -251,25 +379,34 @@ class RemoteLearner:
         return meta, {g.group_id: g for g in groups_from_arrays(packed)}
 
     def save(self, step: int, meta: dict, groups: dict) -> None:
-        """A checkpoint written by the learner: its state, `meta` and the buffered groups."""
+        """A checkpoint written by the learner hosts: state, `meta` and the buffered groups."""
+        import ray
+
         from rl.types import groups_to_arrays
 
-        packed = groups_to_arrays(list(groups.values()))
-        self._get(self.handle.save.remote(step, meta, packed), "save")
+        packed = ray.put(groups_to_arrays(list(groups.values())))
+        self._all("save", step, meta, packed)
 
     def wait_saved(self) -> None:
         """Returns once the learner's last checkpoint is committed; raises if it failed."""
-        self._get(self.handle.wait_saved.remote(), "wait_saved")
+        self._all("wait_saved")
 
     def close(self) -> None:
-        """Waits for checkpoint writes, then ends the actor. Idempotent."""
+        """Waits for checkpoint writes, then ends the actors and their placement group.
+        Idempotent."""
         import ray
 
-        if self.handle is None:
+        if not self.handles:
             return
+        refs = [h.close.remote() for h in self.handles]
         try:
-            ray.get(self.handle.close.remote(), timeout=self.deadline_s)
+            ray.wait(refs, num_returns=len(refs), timeout=self.deadline_s)
         except ray.exceptions.RayError:
             pass
         self._kill()
-        self.handle = None
+        if self.group is not None:
+            try:
+                ray.util.remove_placement_group(self.group)
+            except Exception:  # noqa: BLE001 - the cluster is going down
+                pass
+            self.group = None
