@@ -228,7 +228,7 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # noqa: BLE001 - any unreadable item makes the step invalid
-            if self._misfits(step, target):  # not corrupt: no checkpoint here fits this learner
+            if self._misfits(step):  # not corrupt: no checkpoint here fits this learner
                 raise ValueError(self._misfit(step, e)) from e
             raise Invalid(f"unreadable: {type(e).__name__}: {str(e)[:300]}") from e
         path = self.groups_path(step)
@@ -246,19 +246,12 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise Invalid(f"its groups file {path} is unreadable: {type(e).__name__}: {e}") from e
 
-    def _misfits(self, step: int, target) -> bool:
-        """Whether `step` was written by another layout or holds other param shapes."""
+    def _misfits(self, step: int) -> bool:
+        """Whether `step` was written by a learner of another layout (hosts, devices)."""
         try:
             args = ocp.args.Composite(layout=ocp.args.JsonRestore())
-            if self.manager.restore(step, args=args)["layout"] != layout():
-                return True
-        except Exception:  # noqa: BLE001 - a checkpoint from before the layout item
-            pass
-        try:
-            saved = self.manager.item_metadata(step)["params"]
-            shapes = lambda t: [tuple(x.shape) for x in jax.tree.leaves(t)]
-            return shapes(saved) != shapes(target[0])
-        except Exception:  # noqa: BLE001 - unreadable metadata: corrupt, not a misfit
+            return self.manager.restore(step, args=args)["layout"] != layout()
+        except Exception:  # noqa: BLE001 - before the layout item, or unreadable: not a misfit
             return False
 
     def _misfit(self, step: int, cause: BaseException) -> str:

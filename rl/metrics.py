@@ -482,6 +482,7 @@ ENGINE_METRICS = {
     "batch_mbytes": "transport/batch_mbytes",
     "updates": "rollout/weight_updates",
     "traces": "rollout/compilations",
+    "slot_occupancy": "rollout/slot_occupancy",
 }
 
 

@@ -277,15 +277,17 @@ def test_fake_enospc_in_a_run_fails_it_and_resume_continues(tmp_path):
     naming it; checkpoint 1 is intact, and a resume from it trains each group once."""
     cfg = C.load(None, [*RUN, f"run_root={tmp_path}", "name=r", "trainer.total_updates=2"])
     armed: list[int] = []
+    trainer = Trainer(cfg)
 
     def arm(version, row):
         if version == 2:
+            trainer.ckpt.wait()  # checkpoint 1 committed: only checkpoint 2's write fails
             armed.append(version)
 
     with pytest.MonkeyPatch.context() as mp:
         fail_commit_write(mp, armed=lambda: bool(armed))
         with pytest.raises(CheckpointError, match="No space left on device") as err:
-            Trainer(cfg).run(on_update=arm)
+            trainer.run(on_update=arm)
     run_dir = tmp_path / "r"
     assert f"{run_dir}/checkpoints/2 was not written" in str(err.value)
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["0", "1", "groups_0.npz", "groups_1.npz"]

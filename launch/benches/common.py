@@ -72,8 +72,8 @@ def device_summary() -> tuple[str, float | None, float | None]:
 
 
 def peak_memory_gib() -> float | None:
-    """The first device's peak memory in use (GiB), where the backend reports it."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """This process's first device's peak memory in use (GiB), where the backend reports it."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else peak / 2**30
 

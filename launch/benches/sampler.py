@@ -98,7 +98,7 @@ def bench_sampler(args) -> dict:
     print(f"generate {B}x{N}: {full * 1e3:.1f} ms; prefill only (1 new token): {prefill * 1e3:.1f}")
     print(f"tokens/s: {B * N / full:,.0f} end to end; decode only: {B * (N - 1) / decode_s:,.0f}")
     print(f"decode step: {step_s * 1e3:.3f} ms")
-    cache_len = je.length_bucket(P, je.LEN_BUCKETS) + je.length_bucket(N, je.LEN_BUCKETS)
+    cache_len = je.length_bucket(P + N - 1, je.LEN_BUCKETS)  # the cache at the last step
     nb = decode_bytes(cfg, B, P, N, cache_len)
     floor_s = (nb.params + nb.kv_needed) / bw if bw else None
     frac = floor_s / step_s if floor_s else None
@@ -134,7 +134,7 @@ def workload(args, vocab: int) -> list:
     from rl.rollout.base import GenerationRequest, SamplingParams
     from rl.tasks.longtail import pareto_budget
 
-    n = args.requests or (args.batch if args.workload == "uniform" else 4 * args.batch)
+    n = args.requests or (args.batch if args.workload == "uniform" else 8 * args.batch)
     rng = np.random.default_rng(args.seed)
     budgets = random.Random(args.seed)
     reqs = []

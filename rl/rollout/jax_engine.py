@@ -60,8 +60,11 @@ def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
-LEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Prompt and cache lengths: powers of two, then steps of 1.5x (a step attends over at most a
+# third more positions than it needs, for a handful more compiled programs).
+LEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PREFILL_BUCKETS = (1, 4, 16, 64, 256, 1024)  # new rows per admission: few prefill programs
 
 
 def process_logits(
@@ -233,7 +236,12 @@ class JaxEngine:
         self.chunk = chunk
         nd = len(self.devices)
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
-        self.overlap = self.devices[0].platform != "cpu" if overlap is None else overlap
+        accelerator = self.devices[0].platform != "cpu"
+        self.overlap = accelerator if overlap is None else overlap
+        # On an accelerator a decode step costs about the same for any number of rows (it reads
+        # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
+        # step costs per row, so there the slots follow demand (powers of two).
+        self.fixed_slots = accelerator
         self.deadline_s = deadline_s
         self._abort = threading.Event()  # set by abort(), cleared by resume()
         self._interrupt = threading.Event()  # set while a `continue` weight update waits
@@ -519,7 +527,7 @@ class JaxEngine:
                 return
         nd = len(self.devices)
         want = min(length_bucket(demand, BATCH_BUCKETS), self.max_batch)
-        want = -(-want // nd) * nd
+        want = self.max_batch if self.fixed_slots else -(-want // nd) * nd
         C = len(self._slots)
         if want > C or (want < C and (not live or demand <= C // 4)):
             self._resize(live, want)
@@ -535,7 +543,7 @@ class JaxEngine:
             )
         T = length_bucket(max(r.prompt_len for r in rows), LEN_BUCKETS)
         self._fit_cache(extra=T)
-        b = -(-min(length_bucket(len(rows), BATCH_BUCKETS), self.max_batch) // nd) * nd
+        b = -(-min(length_bucket(len(rows), PREFILL_BUCKETS), self.max_batch) // nd) * nd
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
