@@ -221,11 +221,15 @@ def bench_workload(args) -> dict:
                 max_model_len=max_len,
                 extra_args=["--max-num-seqs", str(args.batch)],
             )
+            try:
+                host.wait_ready(args.vllm_ready_s)
+            except BaseException:
+                host.stop()
+                raise
             engine = VLLMEngine(
                 [host], version=0, owns_hosts=True, max_concurrency=min(len(reqs), 2 * args.batch)
             )
             try:
-                host.wait_ready(args.vllm_ready_s)
                 dt, tokens = _timed_workload(engine, reqs, args.repeats)
             finally:
                 engine.close()
