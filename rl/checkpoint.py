@@ -46,11 +46,11 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped on restore (half-written or corrupt)."""
 
 
-def file_sha256(path: str) -> str:
-    """The hex sha256 of a file's bytes."""
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file's bytes (groups files here; the parameter server's manifests)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -133,7 +133,7 @@ class Checkpointer:
             if groups is not None:
                 if distributed.is_primary():  # Orbax writes meta from the primary alone
                     save_groups(path, groups)
-                    meta[GROUPS_SHA] = file_sha256(path)
+                    meta[GROUPS_SHA] = sha256_file(path)
             elif os.path.exists(path) and distributed.is_primary():
                 os.remove(path)
             pure = state.to_pure_dict()
@@ -238,7 +238,7 @@ class Checkpointer:
         if want != "unrecorded":
             if not os.path.exists(path):
                 raise Invalid(f"its groups file {path} is missing")
-            got = file_sha256(path)
+            got = sha256_file(path)
             if got != want:
                 raise Invalid(f"its groups file {path} has sha256 {got}, recorded {want}")
         try:

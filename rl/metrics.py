@@ -288,14 +288,7 @@ class MetricsWriter:
             if cut < 0:
                 raise ValueError(f"resume={resume}: a resumed step must be >= 0")
             rows = [r for r in rows if r["step"] <= cut]
-        # Rewrite atomically: keeps the kept lines exactly and removes a torn last line.
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        self._rewrite(rows)  # keeps the kept lines exactly and removes a torn last line
         if rows:
             self._time_offset = max(float(r.get("time") or 0.0) for r in rows)
         return cut
@@ -305,15 +298,18 @@ class MetricsWriter:
         those steps again); time keeps running."""
         with self._lock:
             self._file.close()
-            rows = [r for r in read_metrics(self.path) if r["step"] <= step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in rows:
-                    f.write(json.dumps(r, allow_nan=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            self._rewrite([r for r in read_metrics(self.path) if r["step"] <= step])
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        """Replaces metrics.jsonl by `rows`, atomically (temp file, fsync, rename)."""
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def elapsed(self) -> float:
         """Seconds since the run started (continuing across resumes)."""

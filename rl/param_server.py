@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -27,18 +26,9 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.hf import save_hf_tensors, to_hf_tensors
-from rl.checkpoint import restore_params
+from rl.checkpoint import restore_params, sha256_file
 
 MANIFEST = "manifest.json"
-
-
-def sha256_file(path: str) -> str:
-    """Hex sha256 of a file (the digest manifest.json records)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_path(path: str) -> None:

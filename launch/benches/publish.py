@@ -57,8 +57,8 @@ def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
     import concurrent.futures
 
     from models.hf import save_hf_tensors, to_hf_tensors
-    from rl.checkpoint import restore_params
-    from rl.param_server import host_params_hf_layout, io_workers, sha256_file
+    from rl.checkpoint import restore_params, sha256_file
+    from rl.param_server import host_params_hf_layout, io_workers
 
     stages = {}
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import requests
 
-from rl.param_server import sha256_file
+from rl.checkpoint import sha256_file
 from rl.rollout.base import RolloutError
 
 log = logging.getLogger(__name__)
