@@ -8,12 +8,15 @@ Names map one to one: the nnx path `model.layers.0.self_attn.q_proj.kernel` is t
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import fnmatch
 import functools
+import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -107,11 +110,26 @@ def _unflatten(flat: dict[tuple, Any]) -> dict:
 # --- pure conversions -----------------------------------------------------------------------
 
 
-def to_hf_tensors(
-    config: ModelConfig, params_state: Any, *, dtype: str | None = None
-) -> dict[str, np.ndarray]:
-    """HF-named host arrays (torch layout, file order) from a parameter state or its pure dict."""
-    flat = {tuple(str(p) for p in k): v for k, v in _flatten(params_state).items()}
+@dataclasses.dataclass(frozen=True)
+class LazyTensor:
+    """An HF tensor made on demand (read from a checkpoint, transposed, cast): its file entry is
+    known before its bytes, so a writer can lay out a shard and fill it as tensors arrive."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray]  # -> the C-contiguous array, in `shape` and `dtype`
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def hf_tensor_plan(
+    config: ModelConfig, sources: Mapping[tuple, Any], *, dtype: str | None = None
+) -> dict[str, LazyTensor]:
+    """HF-named LazyTensors (torch layout, file order) from {nnx path: source}, where a source is
+    an array or has `.shape`, `.dtype` and `.read()` (rl.checkpoint.ParamReader)."""
+    flat = {tuple(str(p) for p in k): v for k, v in sources.items()}
     if dtype is not None and dtype not in _NP_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not valid; use one of {sorted(_NP_DTYPES)}")
     out_dtype = _NP_DTYPES[dtype] if dtype else None
@@ -124,17 +142,31 @@ def to_hf_tensors(
             f"parameter state does not match the config: missing {missing[:5]}, "
             f"unexpected {extra[:5]}"
         )
-    tensors = {}
-    for path, name, transposed, shape in layout:
-        value = np.asarray(jax.device_get(flat[tuple(str(p) for p in path)]))
+
+    def make(source, name, transposed, shape, to):
+        value = source.read() if hasattr(source, "read") else np.asarray(jax.device_get(source))
         if transposed:
             value = value.T
         if value.shape != shape:
             raise ValueError(f"{name}: shape {value.shape} does not match the config's {shape}")
-        if out_dtype is not None:
-            value = value.astype(out_dtype)
-        tensors[name] = np.ascontiguousarray(value)
-    return tensors
+        return np.ascontiguousarray(value, dtype=to)
+
+    plan = {}
+    for path, name, transposed, shape in layout:
+        source = flat[tuple(str(p) for p in path)]
+        to = out_dtype if out_dtype is not None else np.dtype(source.dtype)
+        plan[name] = LazyTensor(
+            shape, to, functools.partial(make, source, name, transposed, shape, to)
+        )
+    return plan
+
+
+def to_hf_tensors(
+    config: ModelConfig, params_state: Any, *, dtype: str | None = None
+) -> dict[str, np.ndarray]:
+    """HF-named host arrays (torch layout, file order) from a parameter state or its pure dict."""
+    plan = hf_tensor_plan(config, _flatten(params_state), dtype=dtype)
+    return {name: t.make() for name, t in plan.items()}
 
 
 def from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -203,7 +235,7 @@ def _write_json(path: str, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _plan_shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(tensors: Mapping[str, Any], max_shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     for name, value in tensors.items():
@@ -215,17 +247,82 @@ def _plan_shards(tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> lis
     return shards
 
 
+_ST_DTYPES = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int32": "I32",
+    "int64": "I64",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_LOOKAHEAD = 4  # tensors a shard writer has in production ahead of the one it writes
+
+
+def _write_shard(target: str, names: list[str], tensors: Mapping[str, Any], pool) -> str:
+    """Writes one safetensors file tensor by tensor, in order, as each is made (a LazyTensor is
+    made in `pool` ahead of the write), hashing the bytes as they go out; fsyncs; its sha256."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        size = t.nbytes
+        header[name] = {
+            "dtype": _ST_DTYPES[np.dtype(t.dtype).name],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    digest = hashlib.sha256()
+
+    def submit(name):
+        t = tensors[name]
+        if isinstance(t, LazyTensor):
+            return pool.submit(t.make)
+        done = concurrent.futures.Future()
+        done.set_result(np.ascontiguousarray(t))
+        return done
+
+    pending = [submit(n) for n in names[:_LOOKAHEAD]]
+    with open(target, "wb") as f:
+        for chunk in (len(blob).to_bytes(8, "little"), blob):
+            f.write(chunk)
+            digest.update(chunk)
+        for i, name in enumerate(names):
+            value = pending[i].result()
+            pending[i] = None  # let the array go once written
+            if i + _LOOKAHEAD < len(names):
+                pending.append(submit(names[i + _LOOKAHEAD]))
+            if value.shape != tuple(tensors[name].shape) or value.dtype != tensors[name].dtype:
+                raise ValueError(f"{name}: made {value.shape} {value.dtype}, planned otherwise")
+            data = value.reshape(-1).view(np.uint8)
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
 def save_hf_tensors(
     config: ModelConfig,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, Any],
     path: str,
     *,
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    digests: dict[str, str] | None = None,
+    workers: int | None = None,
 ) -> list[str]:
     """Write an HF directory (safetensors shard by shard, config, tokenizer), all fsynced.
 
-    Returns the names of the files written, relative to `path`.
+    `tensors` are arrays or LazyTensors (hf_tensor_plan): shards are written in parallel, each
+    while its tensors are being made. Returns the names of the files written, relative to
+    `path`; `digests`, if given, receives each safetensors file's sha256.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
@@ -235,14 +332,20 @@ def save_hf_tensors(
     names = (
         [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     )
-    written = []
-    for file_name, keys in zip(names, shards):
-        target = os.path.join(path, file_name)
-        safetensors.numpy.save_file(
-            {k: np.ascontiguousarray(tensors[k]) for k in keys}, target, metadata={"format": "pt"}
-        )
-        _fsync(target)
-        written.append(file_name)
+    workers = workers or max(1, min(16, os.cpu_count() or 1))
+    # Writers and makers in separate pools: a writer waiting on a tensor never holds a maker.
+    with (
+        concurrent.futures.ThreadPoolExecutor(workers) as makers,
+        concurrent.futures.ThreadPoolExecutor(min(n, workers)) as writers,
+    ):
+        futures = [
+            writers.submit(_write_shard, os.path.join(path, f), keys, tensors, makers)
+            for f, keys in zip(names, shards)
+        ]
+        shas = [f.result() for f in futures]
+    if digests is not None:
+        digests.update(zip(names, shas))
+    written = list(names)
     if n > 1:
         weight_map = {k: file_name for file_name, keys in zip(names, shards) for k in keys}
         total = int(sum(v.nbytes for v in tensors.values()))

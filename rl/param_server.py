@@ -1,10 +1,12 @@
 """The parameter server: learner checkpoints -> versioned HF safetensors dirs -> engine reloads.
 
 Publication of version v:
-  1. restore the params of the learner's Orbax checkpoint (or take them from memory) on host;
+  1. open the params of the learner's Orbax checkpoint (or take them from memory);
   2. convert them to HF names and layout and write `weights/v{v:06d}.tmp/` (config.json,
      generation_config.json, tokenizer files, safetensors shards + index), every file fsynced,
-     then `manifest.json` (version, sha256 of every file) last;
+     then `manifest.json` (version, sha256 of every file) last. Shards are written in parallel,
+     each tensor read from the checkpoint, transposed and cast while the one before it is
+     written and hashed, so publishing from a checkpoint costs about what writing does;
   3. rename the directory to `weights/v{v:06d}/` and atomically replace `weights/LATEST`;
   4. tell every engine `(v, path)` and record each engine's acknowledged version.
 A half-written directory is never visible under its final name, and engines verify the manifest
@@ -13,7 +15,6 @@ before loading. Retention keeps the newest `keep` directories plus every one an 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -21,12 +22,11 @@ import shutil
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.hf import save_hf_tensors, to_hf_tensors
-from rl.checkpoint import restore_params, sha256_file
+from models.hf import hf_tensor_plan, save_hf_tensors
+from rl.checkpoint import ParamReader, open_params, restore_params, sha256_file
 
 MANIFEST = "manifest.json"
 
@@ -45,27 +45,13 @@ def io_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def host_params_hf_layout(params) -> dict:
-    """The params as host numpy arrays (a pure dict), every 2-D kernel stored in HF (out, in) order.
-
-    Each kernel is copied into a C-contiguous (out, in) array by a thread pool (numpy's copies
-    release the GIL) and handed on as its (in, out) transposed view, so to_hf_tensors' transpose
-    is a free view: the conversion's main cost, one strided copy per kernel, runs on every core.
-    """
+def param_sources(params) -> dict:
+    """{nnx path: host array} of in-memory params (one batched transfer off the devices)."""
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    host = jax.device_get([x for _, x in leaves])  # one batched transfer off the devices
-
-    def hf_order(path, x):
-        x = np.asarray(x)
-        if getattr(path[-1], "key", None) == "kernel" and x.ndim == 2:
-            return np.ascontiguousarray(x.T).T
-        return x
-
-    with concurrent.futures.ThreadPoolExecutor(io_workers()) as pool:
-        out = list(pool.map(hf_order, [path for path, _ in leaves], host))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    host = jax.device_get([x for _, x in leaves])
+    return {tuple(str(getattr(k, "key", k)) for k in path): x for (path, _), x in zip(leaves, host)}
 
 
 def version_dir(weights_dir: str, version: int) -> str:
@@ -90,7 +76,7 @@ class PublishResult:
     version: int
     path: str
     bytes: int
-    restore_s: float = 0.0
+    restore_s: float = 0.0  # getting the params: restored, or (checkpoints) opened
     write_s: float = 0.0
     reload_s: float = 0.0
     acks: dict = dataclasses.field(default_factory=dict)
@@ -123,18 +109,28 @@ class ParamServer:
 
     # -- writing --------------------------------------------------------------------------
     def write(self, version: int, params) -> tuple[str, int]:
-        """Writes params as the HF directory of `version` (tmp, manifest, rename, LATEST)."""
+        """Writes params as the HF directory of `version` (tmp, manifest, rename, LATEST).
+
+        `params`: in-memory params, or {path: ParamReader} of a checkpoint (open_params), read
+        while earlier tensors are being written."""
         final = version_dir(self.weights_dir, version)
         tmp = final + ".tmp"
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
-        tensors = to_hf_tensors(self.config, host_params_hf_layout(params), dtype=self.dtype)
+        is_readers = isinstance(params, dict) and all(
+            isinstance(v, ParamReader) for v in params.values()
+        )
+        sources = params if is_readers and params else param_sources(params)
+        tensors = hf_tensor_plan(self.config, sources, dtype=self.dtype)
+        digests: dict[str, str] = {}
         files = save_hf_tensors(
             self.config,
             tensors,
             tmp,
             tokenizer_dir=self.tokenizer_dir,
             max_shard_bytes=self.max_shard_bytes,
+            digests=digests,
+            workers=io_workers(),
         )
         if self.hf_overrides:  # e.g. eos/pad ids of the task tokenizer
             cfg_path = os.path.join(tmp, "config.json")
@@ -146,10 +142,11 @@ class ParamServer:
                 f.flush()
                 os.fsync(f.fileno())
         names = sorted((set(files) | set(os.listdir(tmp))) - {MANIFEST})
-        # Shards hash in parallel (hashlib releases the GIL): many-core hosts, multi-shard models.
-        with concurrent.futures.ThreadPoolExecutor(min(len(names), io_workers())) as pool:
-            digests = list(pool.map(lambda n: sha256_file(os.path.join(tmp, n)), names))
-        manifest = {"version": version, "files": dict(zip(names, digests))}
+        # The shards were hashed as they were written; the small files are hashed here.
+        for n in names:
+            if n not in digests:
+                digests[n] = sha256_file(os.path.join(tmp, n))
+        manifest = {"version": version, "files": {n: digests[n] for n in names}}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -183,7 +180,10 @@ class ParamServer:
         if params is None:
             if checkpoint_dir is None:
                 raise ValueError("publish needs params or checkpoint_dir")
-            params = restore_params(checkpoint_dir, step)
+            try:
+                params = open_params(checkpoint_dir, step)  # read during the write
+            except ValueError:  # a layout open_params does not know: restore it whole
+                params = restore_params(checkpoint_dir, step)
         t1 = time.perf_counter()
         path, nbytes = self.write(version, params)
         t2 = time.perf_counter()

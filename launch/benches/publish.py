@@ -53,36 +53,35 @@ def make_checkpoint(preset: str, root: str, seed: int = 0):
 
 
 def breakdown(server, checkpoint_dir: str, out_dir: str) -> dict[str, float]:
-    """One publication's stages timed alone (seconds), done as ParamServer.write does them."""
+    """One publication's parts timed alone (seconds): opening the checkpoint, reading every
+    param (in parallel), and writing those arrays (convert, write, fsync, hash); a streamed
+    publication overlaps the last two."""
     import concurrent.futures
 
-    from models.hf import save_hf_tensors, to_hf_tensors
-    from rl.checkpoint import restore_params, sha256_file
-    from rl.param_server import host_params_hf_layout, io_workers
+    from models.hf import hf_tensor_plan, save_hf_tensors
+    from rl.checkpoint import open_params
+    from rl.param_server import io_workers
 
     stages = {}
     t0 = time.perf_counter()
-    params = restore_params(checkpoint_dir)
-    stages["restore"] = time.perf_counter() - t0
+    readers = open_params(checkpoint_dir)
+    stages["open"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    params = host_params_hf_layout(params)
-    stages["transposes"] = time.perf_counter() - t0
+    with concurrent.futures.ThreadPoolExecutor(io_workers()) as pool:
+        arrays = dict(zip(readers, pool.map(lambda r: r.read(), readers.values())))
+    stages["read"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tensors = to_hf_tensors(server.config, params, dtype=server.dtype)
-    stages["convert"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    files = save_hf_tensors(
+    tensors = hf_tensor_plan(server.config, arrays, dtype=server.dtype)
+    save_hf_tensors(
         server.config,
         tensors,
         out_dir,
         tokenizer_dir=server.tokenizer_dir,
         max_shard_bytes=server.max_shard_bytes,
+        digests={},
+        workers=io_workers(),
     )
-    stages["write+fsync"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(min(len(files), io_workers())) as pool:
-        list(pool.map(lambda n: sha256_file(os.path.join(out_dir, n)), files))
-    stages[f"sha256 ({len(files)} files)"] = time.perf_counter() - t0
+    stages["convert+write+fsync+sha256"] = time.perf_counter() - t0
     shutil.rmtree(out_dir)
     return stages
 
@@ -96,16 +95,16 @@ def run(args) -> dict:
 
     A learner of the preset's shapes (random initialisation, float32 params) saves an Orbax
     checkpoint. Then, --repeats times (the median is reported):
-      publish   ParamServer.publish from that checkpoint: restore the params on host, convert to
-                HF names and layout, write the safetensors shards + config + tokenizer + manifest
-                of sha256s into weights/vN.tmp, fsync, rename, LATEST;
+      publish   ParamServer.publish from that checkpoint: read the params, convert to HF names
+                and layout, write the safetensors shards + config + tokenizer + manifest of
+                sha256s into weights/vN.tmp, fsync, rename, LATEST (reads overlap writes);
       reload    the same with a JaxEngine told to reload from the published directory
                 (engine.update_weights(version, path)); with --vllm also a vLLM host launched
                 here;
       copy      shutil.copyfile of the published safetensors files to another directory on the
                 same disk, each file fsynced, then the directory.
-    Before the timed repeats one publication is taken apart (restore, HF conversion, safetensors
-    write + fsync, sha256, the rest) so a slow stage can be named. The RESULT line holds
+    Before the timed repeats one publication is taken apart (open, read, convert + write +
+    fsync + sha256, each alone) so a slow stage can be named. The RESULT line holds
     publish_s, copy_s, ratio (publish / copy), memory_s (publishing from params in memory),
     memory_ratio, reload_s (and vllm_reload_s with --vllm).
     """
