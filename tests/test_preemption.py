@@ -151,16 +151,9 @@ def preempt_and_resume_keeps_partials(tmp_path, *extra, total: int = 3) -> dict:
 
     run_dir = tmp_path / "p"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # sync: right after an update is logged the learner waits for the next groups, which are
-    # being generated (LONG_TOKENS decode steps each), so the signal lands mid-generation
-    cmd = _train(
-        tmp_path,
-        *LONG,
-        "trainer.mode=sync",
-        "trainer.max_staleness=0",
-        f"trainer.total_updates={total}",
-        *extra,
-    )
+    # async (staleness 1): groups for the next update are dispatched ahead, and LONG_TOKENS
+    # decode steps each keep them in flight while the learner trains
+    cmd = _train(tmp_path, *LONG, f"trainer.total_updates={total}", *extra)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
