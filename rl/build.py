@@ -205,14 +205,15 @@ def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
     return mesh, learner, ckpt
 
 
-def restore_learner(learner: Learner, ckpt: Checkpointer):
-    """Loads the newest checkpoint into `learner`: (meta, groups), or None if there is none."""
+def restore_learner(learner: Learner, ckpt: Checkpointer, *, partials: bool = False):
+    """Loads the newest checkpoint into `learner`: (meta, groups), or None if there is none;
+    with partials=True (meta, groups, partial groups)."""
     if ckpt.latest_step() is None:
         return None
-    state, meta, groups = ckpt.restore(learner.state)
+    state, meta, groups, parts = ckpt.restore(learner.state, partials=True)
     learner.state = state
     learner.version = meta["version"]
-    return meta, groups
+    return (meta, groups, parts) if partials else (meta, groups)
 
 
 def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: str, tokenizer):

@@ -4,12 +4,14 @@ A checkpoint at version v holds: params and optimizer state (sharded arrays, Sta
 and a JSON `meta` item with the version, the stage, and the Coordinator's and GroupBuffer's
 state() (data cursor, admission state, counters). Finished but untrained groups are written
 next to it as `groups_<step>.npz` (the arrays of rl.types.groups_to_arrays), so a resumed run
-loses no finished episode and re-dispatches only what was in flight.
+loses no finished episode. A preemption's checkpoint also holds the groups that were still being
+generated, as `partials_<step>.npz` (rl.partials): a resumed run continues them after their
+saved tokens instead of generating them again.
 
 A restore verifies what it reads: Orbax's commit markers, items Orbax can read, and the groups
-file's sha256 recorded in `meta`. A half-written or corrupt checkpoint is skipped for the one
-before it, with a warning naming it; a failed write raises CheckpointError and leaves the
-previous checkpoint as it was.
+and partials files' sha256 recorded in `meta`. A half-written or corrupt checkpoint is skipped
+for the one before it, with a warning naming it; a failed write raises CheckpointError and
+leaves the previous checkpoint as it was.
 
 A learner over several hosts checkpoints from every process: each writes its own shards, Orbax's
 primary (process 0) the metadata; the groups file and retention are process 0's. A `layout` item
@@ -31,11 +33,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from rl import distributed
+from rl.partials import PartialGroup, by_id, partials_from_arrays, partials_to_arrays
 from rl.types import EpisodeGroup, groups_from_arrays, groups_to_arrays
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax's last file of a committed step and of each item
 ITEMS = ("params", "optimizer", "meta")
 GROUPS_SHA = "groups_sha256"  # the meta key holding the groups file's digest (None: no file)
+PARTIALS_SHA = "partials_sha256"  # the same for the partials file
 
 
 class CheckpointError(RuntimeError):
@@ -81,6 +85,23 @@ def load_groups(path: str) -> dict[int, EpisodeGroup]:
     return {g.group_id: g for g in groups_from_arrays(arrays)}
 
 
+def save_partials(path: str, partials: Mapping[int, PartialGroup] | Iterable[PartialGroup]) -> None:
+    """Writes partial groups to an npz of partials_to_arrays' arrays (temporary file, renamed)."""
+    if isinstance(partials, Mapping):
+        partials = partials.values()
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **partials_to_arrays(list(partials)))
+    os.replace(tmp, path)
+
+
+def load_partials(path: str) -> dict[int, PartialGroup]:
+    """{group number: PartialGroup} of a save_partials file ({} if there is none); no pickle."""
+    if not os.path.exists(path):
+        return {}
+    with np.load(path, allow_pickle=False) as z:
+        return by_id(partials_from_arrays({k: z[k] for k in z.files}))
+
+
 class Invalid(Exception):
     """What is wrong with one checkpoint (restore skips it for the one before)."""
 
@@ -112,17 +133,29 @@ class Checkpointer:
         """The groups file of checkpoint `step`."""
         return os.path.join(self.directory, f"groups_{step}.npz")
 
+    def partials_path(self, step: int) -> str:
+        """The partials file of checkpoint `step` (groups in flight at a preemption)."""
+        return os.path.join(self.directory, f"partials_{step}.npz")
+
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
         return self.manager.latest_step()
 
-    def save(self, step: int, state: nnx.State, meta: dict, groups: dict | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: nnx.State,
+        meta: dict,
+        groups: dict | None = None,
+        partials: Mapping[int, PartialGroup] | None = None,
+    ) -> None:
         """Checkpoints `step`: written before returning, or (async_save) in the background.
 
-        The groups file is written first, synchronously, and its sha256 goes into meta; it
-        counts only once Orbax commits the step, and once it has, files of steps Orbax no longer
-        keeps are removed. A write that fails raises CheckpointError (an async one at the next
-        save, wait or close); earlier checkpoints stay valid.
+        The groups file (and the partials file, if there are partial groups) is written first,
+        synchronously, and its sha256 goes into meta; it counts only once Orbax commits the
+        step, and once it has, files of steps Orbax no longer keeps are removed. A write that
+        fails raises CheckpointError (an async one at the next save, wait or close); earlier
+        checkpoints stay valid.
         """
         self.wait()  # a background save that failed is reported before this one starts
         try:
@@ -134,6 +167,14 @@ class Checkpointer:
                 if distributed.is_primary():  # Orbax writes meta from the primary alone
                     save_groups(path, groups)
                     meta[GROUPS_SHA] = sha256_file(path)
+            elif os.path.exists(path) and distributed.is_primary():
+                os.remove(path)
+            meta[PARTIALS_SHA] = None
+            path = self.partials_path(step)
+            if partials:
+                if distributed.is_primary():
+                    save_partials(path, partials)
+                    meta[PARTIALS_SHA] = sha256_file(path)
             elif os.path.exists(path) and distributed.is_primary():
                 os.remove(path)
             pure = state.to_pure_dict()
@@ -158,8 +199,9 @@ class Checkpointer:
         if step is not None and step not in self.manager.all_steps():
             for left in glob.glob(self.step_dir(step) + ".orbax-checkpoint-tmp*"):
                 shutil.rmtree(left, ignore_errors=True)
-            if os.path.exists(self.groups_path(step)):
-                os.remove(self.groups_path(step))
+            for path in (self.groups_path(step), self.partials_path(step)):
+                if os.path.exists(path):
+                    os.remove(path)
         kept = sorted(self.manager.all_steps())
         return CheckpointError(
             f"checkpoint {self.step_dir(step) if step is not None else self.directory} was not "
@@ -177,14 +219,17 @@ class Checkpointer:
         self.in_flight = None
         for name in os.listdir(self.directory) if distributed.is_primary() else ():
             # retention follows Orbax's, once it committed
-            if name.startswith("groups_") and name.endswith(".npz"):
-                if not os.path.isdir(self.step_dir(int(name[len("groups_") : -len(".npz")]))):
-                    os.remove(os.path.join(self.directory, name))
+            for prefix in ("groups_", "partials_"):
+                if name.startswith(prefix) and name.endswith(".npz"):
+                    number = name[len(prefix) : -len(".npz")]
+                    if number.isdigit() and not os.path.isdir(self.step_dir(int(number))):
+                        os.remove(os.path.join(self.directory, name))
 
-    def restore(self, state: nnx.State, step: int | None = None):
+    def restore(self, state: nnx.State, step: int | None = None, *, partials: bool = False):
         """(state, meta, groups) of `step` (default: the newest valid); arrays keep `state`'s
-        shardings. A newest checkpoint that is half-written or corrupt is skipped with a
-        CheckpointWarning naming it; CheckpointError if none is valid (or `step` is not)."""
+        shardings; with partials=True (state, meta, groups, partial groups). A newest checkpoint
+        that is half-written or corrupt is skipped with a CheckpointWarning naming it;
+        CheckpointError if none is valid (or `step` is not)."""
         self.wait()
         self.manager.reload()  # every step on disk, also one a failed save left undeleted
         steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
@@ -194,7 +239,7 @@ class Checkpointer:
         problems = []
         for s in steps:
             try:
-                restored, groups = self._read(s, target)
+                restored, groups, parts = self._read(s, target)
             except Invalid as e:
                 problems.append(f"{self.step_dir(s)}: {e}")
                 if s != steps[-1]:
@@ -207,7 +252,8 @@ class Checkpointer:
             nnx.replace_by_pure_dict(state, {0: restored["params"], 1: restored["optimizer"]})
             meta = dict(restored["meta"])
             meta.pop(GROUPS_SHA, None)
-            return state, meta, groups
+            meta.pop(PARTIALS_SHA, None)
+            return (state, meta, groups, parts) if partials else (state, meta, groups)
         raise CheckpointError("no valid checkpoint: " + "; ".join(problems))
 
     def _read(self, step: int, target):
@@ -231,20 +277,30 @@ class Checkpointer:
             if self._misfits(step):  # not corrupt: no checkpoint here fits this learner
                 raise ValueError(self._misfit(step, e)) from e
             raise Invalid(f"unreadable: {type(e).__name__}: {str(e)[:300]}") from e
-        path = self.groups_path(step)
-        want = restored["meta"].get(GROUPS_SHA, "unrecorded")  # unrecorded: an older writer
+        groups = self._verified(step, restored["meta"], GROUPS_SHA, self.groups_path(step))
+        parts = self._verified(step, restored["meta"], PARTIALS_SHA, self.partials_path(step))
+        return restored, groups, parts
+
+    def _verified(self, step: int, meta: Mapping, key: str, path: str) -> dict:
+        """The groups or partials file of `step` whose sha256 meta[key] recorded, loaded ({}
+        when meta records none); raises Invalid if it is missing, altered or unreadable."""
+        want = meta.get(key, "unrecorded")  # unrecorded: an older writer
         if want is None:
-            return restored, {}
+            return {}
         if want != "unrecorded":
             if not os.path.exists(path):
-                raise Invalid(f"its groups file {path} is missing")
+                raise Invalid(f"its {key.split('_')[0]} file {path} is missing")
             got = sha256_file(path)
             if got != want:
-                raise Invalid(f"its groups file {path} has sha256 {got}, recorded {want}")
+                raise Invalid(
+                    f"its {key.split('_')[0]} file {path} has sha256 {got}, recorded {want}"
+                )
         try:
-            return restored, load_groups(path)
+            return load_groups(path) if key == GROUPS_SHA else load_partials(path)
         except Exception as e:  # noqa: BLE001
-            raise Invalid(f"its groups file {path} is unreadable: {type(e).__name__}: {e}") from e
+            raise Invalid(
+                f"its {key.split('_')[0]} file {path} is unreadable: {type(e).__name__}: {e}"
+            ) from e
 
     def _misfits(self, step: int) -> bool:
         """Whether `step` was written by a learner of another layout (hosts, devices)."""

@@ -149,6 +149,21 @@ class Coordinator:
         c.redispatched = int(state.get("redispatched", 0))
         return c
 
+    def prioritize(self, groups: Iterable[int]) -> None:
+        """Moves `groups` (queued for dispatch again) to the front of the queue, lowest first:
+        a resumed run continues its saved partial groups before anything else. A group not
+        queued is an error (the checkpoint's partials and its in-flight groups disagree)."""
+        first = sorted(set(groups))
+        with self._cond:
+            missing = [g for g in first if g not in self.retry]
+            if missing:
+                raise ValueError(
+                    f"groups {missing} are not queued for dispatch (queued: "
+                    f"{sorted(self.retry)[:16]}); a partial group must be one in flight"
+                )
+            rest = [g for g in self.retry if g not in set(first)]
+            self.retry = collections.deque(first + rest)
+
     def resume_in_flight(self, cursor: int, done: Iterable[int]) -> None:
         """On resume (GroupBuffer.from_state): every group numbered from `cursor` (the buffer's
         consume cursor, below which all were consumed) up to the dispatch count that is not in

@@ -6,17 +6,24 @@ thread that admits groups from the coordinator (the staleness rule), runs them o
 puts the finished groups into the buffer, so a group is delivered as soon as it is done. A lost
 worker's groups go back to the coordinator (same numbers, counted as re-dispatched) and the slot
 gets a replacement; any other failure reaches the learner through buffer.fail.
+
+Once the coordinator is stopped (a preemption) a local rollout returns what its groups have:
+finished groups still go to the buffer, unfinished ones are kept as PartialGroups (partials())
+for the trainer's checkpoint. Generated tokens that reach neither (a lost worker's) are counted
+in the buffer's tokens_discarded.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from rl.agent import run_groups
 from rl.buffer import GroupBuffer
 from rl.coordinator import Coordinator
 from rl.metrics import BusyClock
+from rl.partials import PartialGroup
 from rl.rollout.base import SamplingParams, WorkerLost
 
 
@@ -30,9 +37,9 @@ class LocalRollout:
         self.slots = streams
 
     def run(self, slot: int, items: list, sampling: SamplingParams, stopped=lambda: False):
-        """The finished groups of items [(group, version, problem, seeds)]; None once stopped."""
-        groups = run_groups(self.engine, self.task, self.tokenizer, items, sampling)
-        return None if stopped() else groups
+        """The groups of items [(group, version, problem, seeds[, saved partial])]: once
+        stopped() is true (the engine was aborted), unfinished ones as PartialGroups."""
+        return run_groups(self.engine, self.task, self.tokenizer, items, sampling, halt=stopped)
 
     def replace(self, slot: int, why: str, on_started=None) -> None:
         """The engine replaces a lost process itself (ProcessEngine, within
@@ -63,6 +70,8 @@ class Dispatcher:
         self.work, self.sampling = work, sampling
         self.max_groups, self.deadline_s = max_groups, deadline_s
         self.clocks = [BusyClock() for _ in range(rollout.engines)]  # busy time per engine
+        self._partials: dict[int, PartialGroup] = {}  # unfinished groups of a stopped rollout
+        self._lock = threading.Lock()
         self.threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"rollout-{i}", daemon=True)
             for i in range(rollout.slots)
@@ -73,10 +82,18 @@ class Dispatcher:
         for t in self.threads:
             t.start()
 
-    def join(self, timeout: float) -> None:
-        """Waits for the threads to end (after coord.stop() and the rollout's abort())."""
+    def join(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds in all for the threads to end (after coord.stop() and
+        the rollout's abort()); True if they all did."""
+        end = time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout=timeout)
+            t.join(timeout=max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+    def partials(self) -> dict[int, PartialGroup]:
+        """{group: PartialGroup} of the groups a stopped rollout returned unfinished."""
+        with self._lock:
+            return dict(self._partials)
 
     def busy_s(self) -> float:
         """Seconds an engine spent running groups, averaged over the engines."""
@@ -99,6 +116,7 @@ class Dispatcher:
                             slot, self.work(admitted), self.sampling, lambda: coord.stopped
                         )
                 except WorkerLost as e:
+                    self.buffer.discard(getattr(e, "tokens_generated", 0))
                     if coord.stopped:
                         return
                     lost = [g for g, _ in admitted]
@@ -106,10 +124,17 @@ class Dispatcher:
                         slot, str(e), on_started=lambda lost=lost: coord.requeue(lost)
                     )
                     continue
-                if groups is None or coord.stopped:
+                if groups is None:
                     return
-                clock.add_tokens(sum(e.num_generated for g in groups for e in g.episodes))
-                for g in groups:
+                done = [g for g in groups if not isinstance(g, PartialGroup)]
+                with self._lock:
+                    self._partials.update(
+                        (g.group_id, g) for g in groups if isinstance(g, PartialGroup)
+                    )
+                clock.add_tokens(sum(e.num_generated for g in done for e in g.episodes))
+                for g in done:  # delivered even once stopped: a preemption checkpoints them
                     self.buffer.put(g)
+                if coord.stopped:
+                    return
         except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
             self.buffer.fail(e)

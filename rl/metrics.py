@@ -501,5 +501,9 @@ def dump_episodes(path: str, groups, tokenizer, limit: int) -> None:
                 "reward": e.reward,
                 "versions": list(e.version_span),
                 "finish_reason": e.finish_reason,
+                # every token with its behaviour log-prob and version (-1: not generated)
+                "token_ids": e.tokens.tolist(),
+                "behavior_logp": e.behavior_logp.tolist(),
+                "token_versions": e.versions.tolist(),
             }
             f.write(json.dumps(row) + "\n")

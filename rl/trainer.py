@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -48,6 +49,10 @@ class Trainer:
         self._coord = self._engine = self._evaluator = self._dispatcher = None
         self.owns_ray = self._closed = False
         self.stop_reason: str | None = None  # request_stop(): checkpoint and return
+        self._stop_t = 0.0  # when request_stop() was called (time.monotonic)
+        # a preemption checkpoint's partial groups, each handed out once to be continued
+        self._resume_partials: dict = {}
+        self._partials_lock = threading.Lock()
         self._buffer: GroupBuffer | None = None
         self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
         self.place = place or placement.prepare(cfg)  # backend-dependent settings fail first
@@ -88,7 +93,13 @@ class Trainer:
         _, self.learner, self.ckpt = build.make_learner(
             self.cfg, self.tokenizer.vocab_size, pool, self.run_dir
         )
-        return build.restore_learner(self.learner, self.ckpt) if resume else None
+        if not resume:
+            return None
+        restored = build.restore_learner(self.learner, self.ckpt, partials=True)
+        if restored is None:
+            return None
+        meta, groups, self._resume_partials = restored
+        return meta, groups
 
     def _start_remote(self, resume: bool):
         """The learner as a Ray actor (trainer.transport=ray); this process holds no model."""
@@ -155,11 +166,15 @@ class Trainer:
         return self._train_problems[group]
 
     def group_work(self, admitted: list[tuple[int, int]]) -> list[tuple]:
-        """Admitted [(group, version)] as [(group, version, problem, seeds)] for a rollout."""
+        """Admitted [(group, version)] as [(group, version, problem, seeds)] for a rollout; a
+        group with a saved partial (a preemption's) gets it as a fifth item, to continue."""
         out = []
         for g, v in admitted:
             seeds = [build.episode_seed(self.cfg.seed, g, i) for i in range(self.n)]
-            out.append((g, v, self.train_problem(g), seeds))
+            with self._partials_lock:
+                part = self._resume_partials.pop(g, None)
+            item = (g, v, self.train_problem(g), seeds)
+            out.append(item if part is None else (*item, part))
         return out
 
     def _make_rollout(self):
@@ -218,15 +233,18 @@ class Trainer:
         engine.update_weights(version, weights).then(served, buffer.fail)
         return time.perf_counter() - t0
 
-    def save(self, step: int, coord: Coordinator, buffer: GroupBuffer) -> None:
-        """A checkpoint: learner state, the coordinator's and buffer's state, finished groups."""
+    def save(
+        self, step: int, coord: Coordinator, buffer: GroupBuffer, partials: dict | None = None
+    ) -> None:
+        """A checkpoint: learner state, the coordinator's and buffer's state, finished groups,
+        and (a preemption's) the partial groups that were in flight."""
         bstate, groups = buffer.state()
         meta = {"step": step, "version": self.learner.version, "sft_done": True}
         meta.update(coordinator=coord.state(), buffer=bstate)
         if self.remote:  # the learner actor writes its checkpoint
             self.learner.save(step, meta, groups)
         else:
-            self.ckpt.save(step, self.learner.state, meta, groups)
+            self.ckpt.save(step, self.learner.state, meta, groups, partials)
 
     def wait_saved(self) -> None:
         """Returns once the last checkpoint is committed; a write that failed fails the run."""
@@ -257,6 +275,7 @@ class Trainer:
         """Ends the run at the next safe point (a preemption): admission stops, the learner
         stops waiting, a checkpoint of the current version and every finished group is
         written, and run() returns with summary["preempted"] set. Safe from a signal handler."""
+        self._stop_t = time.monotonic()
         self.stop_reason = reason
         if self._coord is not None:
             self._coord.stop()
@@ -264,10 +283,25 @@ class Trainer:
             self._buffer.stop(reason)
 
     def _preempt(self, coord: Coordinator, buffer: GroupBuffer, summary: dict) -> dict:
-        """The checkpoint of a stopped run: this version, its finished groups; in-flight ones
-        are dispatched again at resume."""
+        """The checkpoint of a stopped run: this version, its finished groups, and the partial
+        state of the groups in flight (the engine is aborted; what it generated so far is kept,
+        and continued at resume). The rollout gets half of trainer.preempt_deadline_s to
+        return; groups it has not returned by then are dispatched again from their prompts."""
         coord.stop()
-        self.save(self.learner.version, coord, buffer)
+        partials = {}
+        if self._dispatcher is not None:
+            self._engine.abort()
+            left = self.cfg.trainer.preempt_deadline_s / 2 - (time.monotonic() - self._stop_t)
+            if not self._dispatcher.join(timeout=max(0.0, left)):
+                print(
+                    "preemption: the rollout did not return its groups in time; the groups it "
+                    "holds start again from their prompts at resume",
+                    file=sys.stderr,
+                )
+            partials = self._dispatcher.partials()
+        with self._partials_lock:  # saved partials not dispatched again yet stay saved
+            partials = {**self._resume_partials, **partials}
+        self.save(self.learner.version, coord, buffer, partials)
         self.wait_saved()
         summary.update(preempted=self.stop_reason, version=self.learner.version)
         return summary
@@ -300,7 +334,8 @@ class Trainer:
             pin_learner(self.cores.learner)  # after the warm start, before the rollout process
         start = self.learner.version
         # Finished groups from a checkpoint come back; what was in flight is dispatched again
-        # (never a group already consumed: trained, filtered or dropped).
+        # (never a group already consumed: trained, filtered or dropped), a group with saved
+        # partial state continued after its tokens.
         meta, groups = self.restored or ({}, {})
         coord = Coordinator.from_state(
             meta.get("coordinator", {}),
@@ -315,6 +350,8 @@ class Trainer:
             stale_policy=t.stale_policy,
             filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
         )
+        if self._resume_partials:  # a preemption's partial groups are continued first
+            coord.prioritize(self._resume_partials)
         self._coord, self._buffer = coord, buffer
         if self.stop_reason is not None:  # asked to stop while the run was being built
             return self._preempt(coord, buffer, summary)

