@@ -47,14 +47,12 @@ class Faults:
     def __init__(self):
         self.at: dict[str, float] = {}
         self.recovered: dict[str, float] = {}
+        self.pids: dict[str, int] = {}
 
     def inject(self, name: str, pid: int, sig: int) -> None:
         """Sends `sig` to `pid` and notes the time under `name`."""
-        self.at[name] = time.monotonic()
+        self.at[name], self.pids[name] = time.monotonic(), pid
         os.kill(pid, sig)
-
-    def note(self, name: str) -> None:
-        self.at[name] = time.monotonic()
 
     def recover(self, name: str) -> None:
         """Notes the first sign of recovery from fault `name` (an update logged after it)."""
