@@ -264,7 +264,7 @@ def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update(tmp_
 # -- checkpoints: a write that fails, a damaged newest checkpoint at resume --------------------
 
 
-def test_checkpoint_enospc_fails_the_run_then_resume_skips_a_damaged_newest(tmp_path, schedule):
+def test_checkpoint_fake_enospc_fails_the_run_then_resume_skips_a_damaged_newest(tmp_path, schedule):
     """The (async) commit of checkpoint s fails with an injected ENOSPC below real Orbax: the run
     fails at once with the error naming checkpoints/s. The newest committed checkpoint, s - 1, is
     then damaged on disk (a seeded choice of damage): --resume skips it with a warning naming it
