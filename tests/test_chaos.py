@@ -24,6 +24,7 @@ from rl.checkpoint import CheckpointError, CheckpointWarning
 from rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # whole multi-process runs under faults (still run in CI)
 
 B, N = 2, 4  # groups per update, samples per group
 ETA = 1
@@ -124,6 +125,7 @@ def test_ray_rollout_workers_sigkilled_and_sigstopped(cluster, tmp_path, schedul
     def on_update(version, row):
         for name in faults.at:
             faults.recover(name)
+        seen.setdefault("pids", seen["pool"].pids())
         if version == kill_at and "killer" not in seen:
             seen["killer"] = threading.Thread(target=kill_busy, daemon=True)
             seen["killer"].start()
@@ -144,6 +146,14 @@ def test_ray_rollout_workers_sigkilled_and_sigstopped(cluster, tmp_path, schedul
     assert any("died" in why for why in pool.lost), pool.lost
     assert any(f"health check within {HEALTH_S:g}s" in why for why in pool.lost), pool.lost
     assert gone(seen["killed"]) and gone(seen["stopped"])
+    # the driver, the learner, the parameter server and each worker are processes of their own
+    learner_pid, server_pid = trainer.learner.pid, pool.param_server_pid
+    assert len({os.getpid(), learner_pid, server_pid, *seen["pids"]}) == 5
+    with open(os.path.join(trainer.run_dir, "logs", "learner.log")) as f:
+        assert f"learner: pid {learner_pid}," in f.read()
+    assert gone(learner_pid)  # ended with the run
+    assert last["transport/batches"] >= total  # <= B groups per batch, via the object store
+    assert last["coordinator/redispatched"] >= 1  # the lost workers' in-flight groups
     # found and replaced within the health deadline, then an update within the slack
     assert faults.took("sigstop_worker") < HEALTH_S + SLACK_S, faults.took("sigstop_worker")
 
@@ -264,7 +274,9 @@ def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update(tmp_
 # -- checkpoints: a write that fails, a damaged newest checkpoint at resume --------------------
 
 
-def test_checkpoint_fake_enospc_fails_the_run_then_resume_skips_a_damaged_newest(tmp_path, schedule):
+def test_checkpoint_fake_enospc_fails_the_run_then_resume_skips_a_damaged_newest(
+    tmp_path, schedule
+):
     """The (async) commit of checkpoint s fails with an injected ENOSPC below real Orbax: the run
     fails at once with the error naming checkpoints/s. The newest committed checkpoint, s - 1, is
     then damaged on disk (a seeded choice of damage): --resume skips it with a warning naming it
@@ -340,9 +352,9 @@ def test_trainer_sigterm_resume_then_sigkill_resume(tmp_path, schedule):
     update b (no checkpoint of its own: the last periodic one is the way back, one half-written
     at the kill is skipped); --resume again completes with every version logged once and every
     group trained once."""
-    total, preempt_s = 6, 60
+    total, preempt_s = 5, 60
     a = schedule.draw("sigterm_at_update", 1, 2)
-    b = schedule.draw("sigkill_at_update", a + 1, 4)
+    b = schedule.draw("sigkill_at_update", a + 1, 3)
     print(schedule)
     run_dir = tmp_path / "t"
     extra = [
