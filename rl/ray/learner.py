@@ -251,6 +251,7 @@ class RemoteLearner:
         """Replaces learner hosts of which one died or hung by new ones on the newest valid
         checkpoint: (meta, {group id: EpisodeGroup}) of it; the version goes back to its.
         Raises LearnerError past max_restarts, or if there is no checkpoint."""
+        self._kill()  # a hung host must not hold its resources or delay close()
         if self.restarts >= self.max_restarts:
             raise LearnerError(
                 f"{why}; {self.restarts} of trainer.ray.max_learner_restarts="
@@ -258,7 +259,6 @@ class RemoteLearner:
             )
         self.restarts += 1
         self.lost.append(why)
-        self._kill()
         self._start()
         restored = self.restore()
         if restored is None:
