@@ -236,7 +236,9 @@ class RaySection:
     worker_cpus: float = F(1.0, "CPUs Ray reserves for each rollout worker actor")
     worker_gpus: float = F(0.0, "GPUs Ray reserves for each rollout worker actor")
     health_deadline_s: float = F(
-        30.0, "a rollout worker that leaves a health check unanswered this long is replaced"
+        30.0,
+        "a rollout worker that leaves a health check unanswered this long is replaced; a learner "
+        "actor is restarted from the last checkpoint (as one that died)",
     )
     max_restarts: int = F(2, "replacement workers started per run before the run fails")
     max_learner_restarts: int = F(

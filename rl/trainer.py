@@ -119,6 +119,7 @@ class Trainer:
             cores=self.cores.learner if self.cores else (),
             log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
             deadline_s=cfg.trainer.deadline_s,
+            health_deadline_s=r.health_deadline_s,
             pass_env=self.owns_ray,  # a joined cluster's nodes keep their own environment
             max_restarts=r.max_learner_restarts,
         )
@@ -254,11 +255,11 @@ class Trainer:
             self.ckpt.wait()
 
     def _restart_learner(self, why: str, trained: dict, engine, coord, buffer) -> int:
-        """A learner actor that died: a new one from the newest valid checkpoint (version c),
-        up to trainer.ray.max_learner_restarts. The rollout workers and the buffer keep their
-        work; the groups the updates after c trained are counted lost (their slots freed, never
-        dispatched again); admission, the workers' weights and the metrics go back to c.
-        Returns c."""
+        """A learner actor that died or hung: a new one from the newest valid checkpoint
+        (version c), up to trainer.ray.max_learner_restarts. The rollout workers and the buffer
+        keep their work; the groups the updates after c trained are counted lost (their slots
+        freed, never dispatched again); admission, the workers' weights and the metrics go back
+        to c. Returns c."""
         self.learner.restart(why)  # the live buffer is newer than the checkpoint's groups
         c = self.learner.version
         buffer.lose(sum(n for v, n in trained.items() if v > c))

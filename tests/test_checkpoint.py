@@ -16,11 +16,9 @@ import numpy as np
 import pytest
 from etils import epath
 from flax import nnx
-from run_files import metric_rows, trained_episodes
 from test_coordinator import group, ids
 from test_types import assert_groups_equal, sample_groups
 
-from rl import config as C
 from rl.buffer import GroupBuffer
 from rl.checkpoint import (
     COMMIT_MARKER,
@@ -31,7 +29,6 @@ from rl.checkpoint import (
     save_groups,
 )
 from rl.coordinator import Coordinator
-from rl.trainer import Trainer, train
 
 
 def tiny_state(scale: float = 1.0) -> nnx.State:
@@ -254,47 +251,3 @@ def test_fake_enospc_write_fails_clearly_and_keeps_the_previous(tmp_path, fault,
     shutil.rmtree(f"{directory}/2")  # step 1, written before the fault, still restores
     os.remove(f"{directory}/groups_2.npz")
     assert_restores_step_1(directory, groups)
-
-
-RUN = [
-    "sft.steps=0",
-    "task.num_eval=4",
-    "rollout.prompts_per_update=2",
-    "rollout.group_size=4",
-    "rollout.batch_size=8",
-    "rollout.max_new_tokens=8",
-    "algorithm.filter_zero_advantage=false",
-    "trainer.checkpoint_every=1",
-    "trainer.eval_every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "logging.save_episodes=8",  # every trained episode is dumped with its group id
-]
-
-
-def test_fake_enospc_in_a_run_fails_it_and_resume_continues(tmp_path):
-    """A real run whose (async) checkpoint of version 2 cannot commit fails with the error
-    naming it; checkpoint 1 is intact, and a resume from it trains each group once."""
-    cfg = C.load(None, [*RUN, f"run_root={tmp_path}", "name=r", "trainer.total_updates=2"])
-    armed: list[int] = []
-    trainer = Trainer(cfg)
-
-    def arm(version, row):
-        if version == 2:
-            trainer.ckpt.wait()  # checkpoint 1 committed: only checkpoint 2's write fails
-            armed.append(version)
-
-    with pytest.MonkeyPatch.context() as mp:
-        fail_commit_write(mp, armed=lambda: bool(armed))
-        with pytest.raises(CheckpointError, match="No space left on device") as err:
-            trainer.run(on_update=arm)
-    run_dir = tmp_path / "r"
-    assert f"{run_dir}/checkpoints/2 was not written" in str(err.value)
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["0", "1", "groups_0.npz", "groups_1.npz"]
-    train(
-        C.load(None, [*RUN, f"run_root={tmp_path}", "name=r", "trainer.total_updates=3"]),
-        resume=True,
-    )
-    assert [r["step"] for r in metric_rows(run_dir)] == [0, 1, 2, 3]
-    trained = trained_episodes(run_dir)  # raises on any episode trained twice
-    assert sorted(trained) == [(g, i) for g in range(3 * 2) for i in range(4)]

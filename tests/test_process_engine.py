@@ -364,32 +364,6 @@ RESTART_RUN = [
 ]
 
 
-def test_sigkilled_rollout_process_is_replaced_and_the_run_completes(tmp_path):
-    """SIGKILL of the sampler child mid-generate (trainer.placement process): a replacement on
-    the current weights takes over, the lost groups are dispatched again under their numbers,
-    every group is trained exactly once and every version is logged once."""
-    from run_files import metric_rows, trained_episodes
-
-    from rl import config as C
-    from rl.trainer import Trainer
-
-    total, killed = 4, []
-    cfg = C.load(
-        None,
-        [*RESTART_RUN, f"run_root={tmp_path}", "name=k", f"trainer.total_updates={total}"],
-    )
-    assert cfg.trainer.max_rollout_restarts == 2  # the default
-    Trainer(cfg).run(on_engine=kill_at_rollout_call(3, killed))
-    rows = metric_rows(tmp_path / "k")
-    assert [r["step"] for r in rows] == list(range(total + 1))
-    assert all(r["version"] == r["step"] for r in rows)
-    last = rows[-1]
-    assert len(killed) == 1 and last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
-    assert last["coordinator/redispatched"] >= 1  # the killed generate's groups
-    trained = trained_episodes(tmp_path / "k")  # raises on any episode trained twice
-    assert sorted(trained) == [(g, i) for g in range(total * 2) for i in range(4)]
-
-
 def test_sigkilled_rollout_process_past_the_limit_fails_the_run_clearly(tmp_path):
     from rl import config as C
     from rl.trainer import Trainer

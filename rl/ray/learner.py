@@ -7,11 +7,12 @@ run every call in lockstep. RemoteLearner is the driver's handle with the Learne
 (update, version, set_step_cfg, reset_optimizer) plus weights() (the flat numpy params put into
 the object store by process 0: one copy, shared by every reader) and save / restore of
 checkpoints, which the learner hosts write themselves. Training batches travel as numpy arrays
-through the object store (every host reads the whole batch and places its own rows). Every call
-waits at most trainer.deadline_s; a host that passes the deadline fails the run with an error
-naming its process id, pid and log file. A call to a learner host that died raises
-LearnerActorDied; restart() then starts new actors from the newest valid checkpoint, up to
-trainer.ray.max_learner_restarts times per run.
+through the object store (every host reads the whole batch and places its own rows). While a
+call runs, each host is pinged (a ping has a thread of its own in the actor). A host that died
+raises LearnerActorDied; one that leaves a ping unanswered for trainer.ray.health_deadline_s, or
+a call unanswered past trainer.deadline_s, is hung and raises LearnerHung (both LearnerLost):
+restart() then kills the hosts and starts new ones from the newest valid checkpoint, up to
+trainer.ray.max_learner_restarts times per run. Errors name the host's pid and log file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ class LearnerError(RuntimeError):
 
 class LearnerActorDied(LearnerError, LearnerLost):
     """A learner actor's process died (restart() may replace the hosts from the last checkpoint)."""
+
+
+class LearnerHung(LearnerError, LearnerLost):
+    """A learner actor is alive but does not answer (stopped, deadlocked): it is treated as lost,
+    killed and replaced from the last checkpoint like one that died."""
+
+
+HEALTH = "health"  # the actor's concurrency group for ping(): answered while a call runs
 
 
 class LearnerActor:
@@ -92,6 +101,10 @@ class LearnerActor:
             f"cores {sorted(os.sched_getaffinity(0))}",
             flush=True,
         )
+
+    def ping(self) -> int:
+        """This process's pid (run in the HEALTH group: answers while another call runs)."""
+        return os.getpid()
 
     def info(self) -> dict:
         """pid, node, devices, the model config and the log path of the learner."""
@@ -176,15 +189,18 @@ class RemoteLearner:
         cores: tuple[int, ...] = (),
         log_dir: str = "",
         deadline_s: float = 600.0,
+        health_deadline_s: float = 30.0,
         pass_env: bool = True,
         max_restarts: int = 0,
     ):
         """pass_env: the learner gets this process's XLA_FLAGS and JAX_PLATFORMS (a local
         cluster); on a joined cluster it keeps its own node's. max_restarts: restart() calls
-        allowed (trainer.ray.max_learner_restarts)."""
+        allowed (trainer.ray.max_learner_restarts). health_deadline_s: how long a started host
+        may leave a ping unanswered before it counts as hung."""
         import ray
 
-        self.deadline_s = deadline_s
+        self.deadline_s, self.health_deadline_s = deadline_s, health_deadline_s
+        self.started = False  # pings and hang detection begin once every host has answered
         self.hosts = n = cfg.learner.hosts
         names = ["learner"] if n == 1 else [f"learner-{i}" for i in range(n)]
         self.logs = [os.path.join(log_dir, f"{name}.log") if log_dir else "" for name in names]
@@ -196,7 +212,8 @@ class RemoteLearner:
         self.handles: list = []
         keys = ("XLA_FLAGS", "JAX_PLATFORMS") if pass_env else ()
         env = {k: os.environ[k] for k in keys if k in os.environ}
-        self._cls, self._env, self._args = ray.remote(LearnerActor), env, (cfg, run_dir, vocab_size)
+        cls = ray.remote(concurrency_groups={HEALTH: 1})(LearnerActor)
+        self._cls, self._env, self._args = cls, env, (cfg, run_dir, vocab_size)
         self._cpus, self._gpus, self._cores = cpus, gpus, tuple(cores)
         self.group = self._placement_group(cpus, gpus) if n > 1 else None
         self._start()
@@ -207,7 +224,7 @@ class RemoteLearner:
         cfg, run_dir, vocab_size = self._args
         cls, env, cpus, gpus = self._cls, self._env, self._cpus, self._gpus
         n = self.hosts
-        self.handles = []
+        self.handles, self.started = [], False
         for i in range(n):
             opts = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0}
             if self.group is not None:
@@ -228,11 +245,13 @@ class RemoteLearner:
         self.nodes = [info["node"] for info in infos]
         self.pid, self.node, self.config = self.pids[0], self.nodes[0], infos[0]["config"]
         self.devices = infos[0]["devices"]  # the global mesh's, the same on every host
+        self.started = True
 
     def restart(self, why: str):
-        """Replaces learner hosts of which one died by new ones on the newest valid checkpoint:
-        (meta, {group id: EpisodeGroup}) of that checkpoint; the version goes back to its.
+        """Replaces learner hosts of which one died or hung by new ones on the newest valid
+        checkpoint: (meta, {group id: EpisodeGroup}) of it; the version goes back to its.
         Raises LearnerError past max_restarts, or if there is no checkpoint."""
+        self._kill()  # a hung host must not hold its resources or delay close()
         if self.restarts >= self.max_restarts:
             raise LearnerError(
                 f"{why}; {self.restarts} of trainer.ray.max_learner_restarts="
@@ -240,7 +259,6 @@ class RemoteLearner:
             )
         self.restarts += 1
         self.lost.append(why)
-        self._kill()
         self._start()
         restored = self.restore()
         if restored is None:
@@ -248,6 +266,7 @@ class RemoteLearner:
         return restored
 
     def _kill(self) -> None:
+        """Ends every host's process (SIGKILL from its raylet: a stopped process ends too)."""
         import ray
 
         for h in self.handles:
@@ -298,18 +317,25 @@ class RemoteLearner:
 
     def _gather(self, refs: list, what: str, hosts: list[int] | None = None) -> list:
         """ray.get of one ref per host within the deadline. When a host fails, the others get
-        GRACE_S to report, so the error names a host that died rather than its survivors."""
+        GRACE_S to report, so the error names a host that died rather than its survivors. Once
+        started, the hosts still working are pinged; one that leaves a ping unanswered for
+        health_deadline_s, or the call past the deadline, raises LearnerHung."""
         import ray
 
         hosts = list(range(len(refs))) if hosts is None else hosts
         t0 = time.monotonic()
         pending, failed = list(refs), {}
+        pings: dict[int, tuple] = {}  # host -> (ping ref, sent at)
+        answered = dict.fromkeys(hosts, t0)  # host -> when it last answered
         while pending:
-            left = self.deadline_s - (time.monotonic() - t0)
+            now = time.monotonic()
+            left = self.deadline_s - (now - t0)
             if failed:
-                left = min(left, GRACE_S - (time.monotonic() - failed["t"]))
+                left = min(left, GRACE_S - (now - failed["t"]))
             if left <= 0:
                 break
+            if self.started:
+                left = min(left, self.health_deadline_s / 4)
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             for ref in ready:
                 host = hosts[refs.index(ref)]
@@ -321,6 +347,9 @@ class RemoteLearner:
                 except ray.exceptions.RayTaskError as e:
                     failed.setdefault("t", time.monotonic())
                     failed[host] = f"{self.describe(host)} failed {what}:\n{e}"
+            if self.started and pending and not failed:
+                working = [hosts[refs.index(r)] for r in pending]
+                self._check_pings(working, pings, answered, what)
         failed.pop("t", None)
         if failed:
             died = [m for m in failed.values() if " died during " in m]
@@ -329,12 +358,46 @@ class RemoteLearner:
             raise LearnerError("\n".join(failed.values()))
         if pending:
             late = ", ".join(self.describe(hosts[refs.index(r)]) for r in pending)
+            if self.started:
+                raise LearnerHung(
+                    f"{late}: no answer to {what} within trainer.deadline_s={self.deadline_s:g}s "
+                    "(hung)"
+                )
             raise LearnerError(
                 f"{late}: no answer to {what} within trainer.deadline_s={self.deadline_s:g}s "
                 f"(still scheduling? it needs trainer.ray.learner_cpus / learner_gpus free in "
                 f"the cluster: {ray.available_resources()})"
             )
         return [ray.get(r) for r in refs]
+
+    def _check_pings(self, working: list[int], pings: dict, answered: dict, what: str) -> None:
+        """Pings each working host every quarter health deadline; raises LearnerHung for one
+        whose ping stays unanswered for health_deadline_s (LearnerActorDied if it died)."""
+        import ray
+
+        deadline = self.health_deadline_s
+        now = time.monotonic()
+        for host in working:
+            if host in pings:
+                ref, sent = pings[host]
+                if ray.wait([ref], timeout=0)[0]:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        raise LearnerActorDied(
+                            f"{self.describe(host)} died during {what}: {e}"
+                        ) from e
+                    del pings[host]
+                    answered[host] = now
+                elif now - sent > deadline:
+                    raise LearnerHung(
+                        f"{self.describe(host)} did not answer a health check within "
+                        f"trainer.ray.health_deadline_s={deadline:g}s during {what} (hung: "
+                        "stopped or deadlocked)"
+                    )
+            if host not in pings and now - answered[host] > deadline / 4:
+                ping = self.handles[host].ping.options(concurrency_group=HEALTH).remote()
+                pings[host] = (ping, now)
 
     @property
     def version(self) -> int:
