@@ -161,7 +161,9 @@ class ReplayMismatch(RuntimeError):
     """The replay differs from the original run; the message names the first difference."""
 
 
-def _compare(step: int, original: dict, replayed: dict) -> None:
+def compare_row(step: int, original: dict, replayed: dict) -> None:
+    """Raises ReplayMismatch at the first compared metric of `original` that `replayed` lacks
+    or holds with other bits."""
     for k in sorted(original):
         if not k.startswith(COMPARED):
             continue
@@ -249,7 +251,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
             if "start" in s:
                 row = {**summary, **evaluate(engine, task, tokenizer, eval_problems, greedy)}
                 row["eval/accuracy_start"] = row["eval/accuracy"]
-                _compare(0, metrics.get(0, {}), row)
+                compare_row(0, metrics.get(0, {}), row)
                 compared += 1
                 continue
             v_new = s["update"]
@@ -285,7 +287,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
             if s["eval"]:
                 engine.update_weights(v_new, learner.weights())
                 row.update(evaluate(engine, task, tokenizer, eval_problems, greedy))
-            _compare(v_new, metrics.get(v_new, {}), row)
+            compare_row(v_new, metrics.get(v_new, {}), row)
             compared += 1
             keep(v_new)
             for v in [v for v in weights if needed[v] <= v_new]:
