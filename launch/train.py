@@ -1,4 +1,5 @@
-"""python -m launch.train --config configs/X.yaml [--set key=value ...] [--resume]"""
+"""python -m launch.train --config configs/X.yaml [--set key=value ...] [--resume]
+python -m launch.train --replay RUN_DIR   (re-runs a recorded run; exit 1 on a difference)"""
 
 from __future__ import annotations
 
@@ -25,7 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--resume", action="store_true", help="continue the run in its run dir")
     parser.add_argument("--run-dir", help="run directory (default: <run_root>/<name>)")
+    parser.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        help="re-run a finished run from its schedule in one process and check that every loss "
+        "and accuracy equals the run's, bit for bit",
+    )
     args = parser.parse_args(argv)
+    if args.replay:
+        if args.config or args.overrides or args.resume or args.run_dir:
+            parser.error("--replay takes only a run directory (its config.yaml is the config)")
+        return replay_main(args.replay)
 
     from rl import config as C
 
@@ -68,6 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     keys = ["eval/accuracy_start", "eval/accuracy_end", "sft/time", "time/total"]
     print(json.dumps({k: summary.get(k) for k in keys}))
+    return 0
+
+
+def replay_main(run_dir: str) -> int:
+    """Replays a run; 0 when every compared value is bit-identical, 1 at the first difference."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from rl import config as C
+    from rl.replay import ReplayMismatch, replay
+
+    try:
+        n = replay(run_dir)
+    except (C.ConfigError, FileNotFoundError) as e:
+        print(f"replay error: {e}", file=sys.stderr)
+        return 2
+    except ReplayMismatch as e:
+        print(f"replay differs: {e}", file=sys.stderr)
+        return 1
+    print(f"replay identical: {n} logged steps, every loss, reward and accuracy bit for bit")
     return 0
 
 

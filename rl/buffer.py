@@ -64,6 +64,7 @@ class GroupBuffer:
         self._cond = threading.Condition()
         self.error: BaseException | None = None
         self.stopped: str | None = None  # why stop() ended the learner's waits
+        self.on_skip = None  # on_skip(group, why): a group consumed untrained (the schedule)
 
     def put(self, group: EpisodeGroup) -> None:
         """Adds a complete group (every rollout of its prompt)."""
@@ -91,6 +92,10 @@ class GroupBuffer:
     def _usable(self, g: EpisodeGroup) -> bool:
         return not (self.filter and len(set(g.rewards.tolist())) <= 1)
 
+    def _skipped(self, g: EpisodeGroup, why: str) -> None:
+        if self.on_skip is not None:
+            self.on_skip(g, why)
+
     def _advance(self) -> None:
         while self.next_group in self.consumed:
             self.consumed.remove(self.next_group)
@@ -113,6 +118,7 @@ class GroupBuffer:
             if version - g.min_version > eta:
                 self.counts["dropped"] += 1
                 self.coord.free(1)
+                self._skipped(g, "dropped")
                 continue
             return g
         return None
@@ -158,11 +164,13 @@ class GroupBuffer:
                     self.counts["lost"] += 1
                     self.tokens_discarded += sum(e.num_generated for e in g.episodes)
                     self.coord.free(1)
+                    self._skipped(g, "lost")
                     continue
                 if not self._usable(g) and filtered < self.max_filtered_factor * n_groups:
                     filtered += 1
                     self.counts["filtered"] += 1
                     self.coord.free(1)
+                    self._skipped(g, "filtered")
                     continue
                 out.append(g)
             self.counts["trained"] += len(out)

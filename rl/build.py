@@ -251,13 +251,20 @@ def vllm_engine_options(cfg: C.RunConfig) -> dict:
 
 
 def make_engine(
-    cfg: C.RunConfig, learner: Learner, place: Placement, *, param_server=None, run_dir: str = ""
+    cfg: C.RunConfig,
+    learner: Learner,
+    place: Placement,
+    *,
+    param_server=None,
+    run_dir: str = "",
+    cache_len: int | None = None,
 ):
     """The local transport's rollout engine, serving the learner's current weights.
 
     vLLM hosts (launched here, or rollout.vllm.urls) reload from the parameter server's
     directories; the JAX sampler runs where `place` says (a process of its own, beside the
-    learner, or on rollout devices of its own).
+    learner, or on rollout devices of its own). With rollout.batch_invariant the JAX sampler
+    computes every row at fixed shapes, its cache `cache_len` positions (row_length).
     """
     t = cfg.trainer
     common = dict(
@@ -266,6 +273,8 @@ def make_engine(
         deadline_s=t.deadline_s,
         update_mode=t.partial,
     )
+    if cfg.rollout.batch_invariant:
+        common["cache_len"] = cache_len
     if cfg.rollout.engine == "vllm":
         from rl.rollout.vllm import VLLMEngine, launch_engine
 

@@ -153,6 +153,12 @@ class RolloutSection:
     top_p: float = F(1.0, "nucleus sampling, 1.0 = off")
     eval_temperature: float = F(0.0, "temperature of held-out evaluation (0 = greedy)")
     batch_size: int = F(128, "max sequences the JAX sampler decodes at once (its slots)")
+    batch_invariant: bool = F(
+        False,
+        "the JAX sampler computes every row at fixed shapes (batch_size slots, a cache of the "
+        "learner's row length, prompts prefilled alone), so log-probs do not depend on the batch "
+        "(slower); what `launch.train --replay` needs to reproduce a run bit for bit",
+    )
     streams: int = F(
         0,
         "groups generating at once on the local engine, each its own admit -> generate -> "
@@ -508,6 +514,12 @@ def _check_ranges(cfg: RunConfig) -> None:
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
     t = cfg.trainer
+    if cfg.rollout.batch_invariant and (cfg.rollout.engine != "jax" or t.transport != "local"):
+        raise ConfigError(
+            "rollout.batch_invariant: true needs rollout.engine 'jax' and trainer.transport "
+            f"'local' (the in-run JAX sampler), got engine {cfg.rollout.engine!r}, transport "
+            f"{t.transport!r}"
+        )
     if t.pin_cores and cfg.rollout.engine != "jax":
         raise ConfigError(
             "trainer.pin_cores: true needs rollout.engine 'jax' (the rollout process runs the "

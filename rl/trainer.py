@@ -28,6 +28,7 @@ from rl.evaluate import evaluate
 from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import pin_learner
+from rl.replay import ScheduleWriter
 from rl.rollout.base import WorkerLost
 from rl.sft import warm_start_run
 from rl.tasks import get_task
@@ -80,6 +81,7 @@ class Trainer:
                 total_updates=cfg.trainer.total_updates,
                 resume=step,
             )
+            self.schedule = ScheduleWriter(self.run_dir, self.episode_seeds, resume=step)
         except BaseException:
             self.close()
             raise
@@ -166,15 +168,18 @@ class Trainer:
             self._train_problems = self.task.problems("train", 2 * (group + 1) + 64)
         return self._train_problems[group]
 
+    def episode_seeds(self, group: int) -> list[int]:
+        """The sampling seeds of group number `group`'s rollouts."""
+        return [build.episode_seed(self.cfg.seed, group, i) for i in range(self.n)]
+
     def group_work(self, admitted: list[tuple[int, int]]) -> list[tuple]:
         """Admitted [(group, version)] as [(group, version, problem, seeds)] for a rollout; a
         group with a saved partial (a preemption's) gets it as a fifth item, to continue."""
         out = []
         for g, v in admitted:
-            seeds = [build.episode_seed(self.cfg.seed, g, i) for i in range(self.n)]
             with self._partials_lock:
                 part = self._resume_partials.pop(g, None)
-            item = (g, v, self.train_problem(g), seeds)
+            item = (g, v, self.train_problem(g), self.episode_seeds(g))
             out.append(item if part is None else (*item, part))
         return out
 
@@ -200,7 +205,12 @@ class Trainer:
                 cfg, learner.model.config, self.run_dir, self.tok_dir, self.tokenizer
             )
         engine = build.make_engine(
-            cfg, learner, self.place, param_server=self.param_server, run_dir=self.run_dir
+            cfg,
+            learner,
+            self.place,
+            param_server=self.param_server,
+            run_dir=self.run_dir,
+            cache_len=build.row_length(cfg, self.task, self.tokenizer, self.eval_problems),
         )
         evaluator = engine if self.param_server is None else build.make_eval_engine(cfg, learner)
         rollout = LocalRollout(engine, self.task, self.tokenizer, build.streams(cfg))
@@ -268,6 +278,7 @@ class Trainer:
         coord.publish(c)
         self.publish(engine, c, coord, buffer)
         self.writer.rewind(c)
+        self.schedule.rewind(c)
         print(f"learner restarted from checkpoint version {c}: {why}", file=sys.stderr)
         return c
 
@@ -353,6 +364,7 @@ class Trainer:
         )
         if self._resume_partials:  # a preemption's partial groups are continued first
             coord.prioritize(self._resume_partials)
+        buffer.on_skip = self.schedule.skip
         self._coord, self._buffer = coord, buffer
         if self.stop_reason is not None:  # asked to stop while the run was being built
             return self._preempt(coord, buffer, summary)
@@ -364,6 +376,7 @@ class Trainer:
             ev = self.evaluate(evaluator)
             summary["eval/accuracy_start"] = ev["eval/accuracy"]
             self.writer.log(0, 0, {**summary, **ev})
+            self.schedule.start(start)
         coord.publish(start)
         dispatcher = Dispatcher(
             rollout,
@@ -406,10 +419,12 @@ class Trainer:
                 if self.remote:
                     row["learner/restarts"] = float(self.learner.restarts)
                 self.writer.log_histogram(version + 1, "staleness/tokens", stale)
-                if (t.eval_every and new % t.eval_every == 0) or new == t.total_updates:
+                evaluated = (t.eval_every and new % t.eval_every == 0) or new == t.total_updates
+                if evaluated:
                     if evaluator is not engine:
                         evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
                     row.update(self.evaluate(evaluator))
+                self.schedule.update(new, groups, bool(evaluated))
                 if on_update is not None:
                     on_update(new, row)
                 self.writer.log(new, new, row)

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rl.tasks import TASKS, get_task
-from rl.tasks.base import Problem, RewardResult
+from rl.tasks.base import Problem, RewardResult, in_split
 from rl.tasks.expr import (
     ExprError,
     ExprLimitError,
@@ -17,6 +17,7 @@ from rl.tasks.expr import (
     Limits,
     evaluate,
     evaluate_with_numbers,
+    twin_key,
 )
 
 TASK_NAMES = ["arithmetic", "countdown", "calculator"]
@@ -148,6 +149,34 @@ def test_registry():
         assert task.name == name and task.max_turns >= 1
 
 
+def test_twin_key():
+    """Twins share a key (order and grouping of + and *, their inverses, overall sign)."""
+    same = [
+        ("34+12", "12+34"),
+        ("34*12", "12*34"),
+        ("34-12", "12-34"),
+        ("3*4+5", "5+4*3"),
+        ("1-(2-3)", "1+3-2"),
+        ("(1+2)+3", "1+(2+3)"),
+        ("2*(3*4)", "4*3*2"),
+        ("(-3)*4", "3*4"),
+        ("2*(3+4)", "(4+3)*2"),
+        ("8/2/4", "8/(4*2)"),
+    ]
+    for a, b in same:
+        assert twin_key(a) == twin_key(b), (a, b)
+    for a, b in [
+        ("6/2", "2/6"),
+        ("1+2", "1-2"),
+        ("2*(3+4)", "2*3+2*4"),
+        ("1+2", "3"),
+        ("3+4", "34"),
+    ]:
+        assert twin_key(a) != twin_key(b), (a, b)
+    with pytest.raises(ExprSyntaxError):
+        twin_key("1+")
+
+
 # ---------------------------------------------------------------- splits and determinism
 
 
@@ -169,7 +198,7 @@ def test_problems_deterministic_and_prefix_stable(name):
     [
         ("arithmetic", {}, 200),  # 8100 problems
         ("countdown", {}, 200),
-        ("calculator", {"min_digits": 1, "max_digits": 1}, 60),  # 1000 problems: overlap would show
+        ("calculator", {"min_digits": 1, "max_digits": 1}, 50),  # 1000 problems: overlap would show
     ],
 )
 def test_splits_disjoint(name, kwargs, n_eval):
@@ -182,6 +211,71 @@ def test_splits_disjoint(name, kwargs, n_eval):
         eval_keys |= set(ev)
     assert len(train_keys) > 500 and len(eval_keys) >= n_eval
     assert not train_keys & eval_keys
+
+
+# Small problem spaces (a 20000-problem train sample covers them) and the number of held-out
+# problems each has: the whole eval split is checked, so any leaked twin would show.
+SMALL_SPACES = {
+    "arithmetic": ({"digits": 1, "ops": ("+", "-", "*")}, 17),
+    "calculator": ({"min_digits": 1, "max_digits": 1}, 55),
+    "countdown": ({"counts": (2,), "max_number": 9, "max_target": 20}, 7),
+    "longtail": ({"digits": 1}, 5),
+}
+
+
+def twin(name: str, p: Problem) -> Problem:
+    """The problem's commuted twin (operands swapped, countdown numbers reversed)."""
+    m = dict(p.meta)
+    if name == "countdown":
+        m["numbers"] = tuple(reversed(m["numbers"]))
+        prompt = f"[{','.join(map(str, m['numbers']))}]->{m['target']}:"
+    else:
+        m["a"], m["b"] = m["b"], m["a"]
+        op = m.get("op", "*" if name == "calculator" else "+")
+        prompt = f"{m['a']}{op}{m['b']}" + (f"+{m['c']}" if name == "calculator" else "") + "="
+        if name == "calculator":
+            m["expression"] = prompt[:-1]
+    return Problem(id=p.id + "-twin", prompt=prompt, answer=p.answer, meta=m)
+
+
+def visible_twins(name: str, p: Problem) -> set:
+    """The problem and its trivial twins as read off its prompt, independently of split_key."""
+    if name == "countdown":
+        return {(tuple(sorted(p.meta["numbers"])), p.meta["target"])}
+    a, op, b, rest = re.fullmatch(r"(\d+)([+\-*])(\d+)(.*)=", p.prompt).groups()
+    return {f"{a}{op}{b}{rest}=", f"{b}{op}{a}{rest}="}
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small-space", "default"])
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_no_held_out_twin_in_train(name, small):
+    """No held-out problem's canonical key, nor a commuted twin's prompt, is a training one."""
+    assert set(SMALL_SPACES) == set(TASKS), "every registered task needs a small space here"
+    kwargs, n_eval = SMALL_SPACES[name] if small else ({}, 256)
+    task = get_task(name, **kwargs)
+    train = task.problems("train", 20000)
+    held_out = task.problems("eval", n_eval)
+    if small:  # that was the whole held-out split
+        with pytest.raises(ValueError, match="distinct eval problems"):
+            task.problems("eval", n_eval + 1)
+    train_keys = {task.split_key(p) for p in train}
+    assert not [p.prompt for p in held_out if task.split_key(p) in train_keys]
+    train_seen = set().union(*(visible_twins(name, p) for p in train))
+    assert not [p.prompt for p in held_out if visible_twins(name, p) & train_seen]
+    assert len({task.split_key(p) for p in held_out}) == n_eval  # no two held-out twins
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_split_key_catches_commuted_twins(name):
+    """The failure of a split by prompt text: a twin on the other side. The key joins them."""
+    task = get_task(name)
+    problems = task.problems("train", 2000) + task.problems("eval", 200)
+    torn = 0
+    for p in problems:
+        q = twin(name, p)
+        assert task.split_key(q) == task.split_key(p), (p.prompt, q.prompt)
+        torn += in_split(p.prompt, "eval", 0.1) != in_split(q.prompt, "eval", 0.1)
+    assert torn > 0  # a split by prompt text puts some twins on opposite sides
 
 
 def test_small_problem_space_exhaustive():

@@ -20,6 +20,12 @@ Weight updates land between chunks: under `drain` admissions pause until the liv
 under `continue` live rows return 'abort' partials (tokens so far, with their version) and the
 caller resubmits them. The engine runs on its own `devices` (default: the first device), params
 replicated and rows split over them; with `background_install` update_weights returns at once.
+
+Tokens do not depend on the batch, but log-probs do in their last bits (a row's logits change
+with the prefill batch and prompt bucket, the slot count and the cache length). With
+`cache_len` set the engine is batch-invariant: every decode step runs on max_batch slots over a
+cache of cache_len positions and every prompt is prefilled alone, so a request's tokens and
+log-probs are bit-for-bit the same in any batch (what an exact replay of a run needs).
 """
 
 from __future__ import annotations
@@ -215,6 +221,7 @@ class JaxEngine:
         background_install: bool = False,
         continuous: bool = True,
         overlap: bool | None = None,
+        cache_len: int | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
@@ -241,7 +248,10 @@ class JaxEngine:
         # On an accelerator a decode step costs about the same for any number of rows (it reads
         # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
         # step costs per row, so there the slots follow demand (powers of two).
-        self.fixed_slots = accelerator
+        self.fixed_slots = accelerator or cache_len is not None
+        if cache_len is not None and cache_len < 1:
+            raise ValueError(f"JaxEngine: cache_len={cache_len}; must be >= 1 (or None)")
+        self.cache_len = None if cache_len is None else length_bucket(cache_len, LEN_BUCKETS)
         self.deadline_s = deadline_s
         self._abort = threading.Event()  # set by abort(), cleared by resume()
         self._interrupt = threading.Event()  # set while a `continue` weight update waits
@@ -420,6 +430,13 @@ class JaxEngine:
             return []
         if min(len(r.prompt_ids) for r in requests) < 1:
             raise ValueError("every request needs a prompt of at least one token")
+        if self.cache_len is not None:
+            need = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+            if need > self.cache_len:
+                raise ValueError(
+                    f"JaxEngine: a request needs {need} cache positions (prompt + "
+                    f"max_new_tokens); the batch-invariant cache holds {self.cache_len}"
+                )
         if self._abort.is_set():
             return [_aborted(r.request_id) for r in requests]
         call = _Call(len(requests))
@@ -534,8 +551,15 @@ class JaxEngine:
         free = [s for s, r in enumerate(self._slots) if r is None]
         with self._cv:
             rows = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        if not rows:
-            return
+        if self.cache_len is not None:  # each prompt prefilled alone: its own shapes only
+            for r, s in zip(rows, free):
+                self._prefill_rows([r], [s])
+        elif rows:
+            self._prefill_rows(rows, free)
+
+    def _prefill_rows(self, rows: list[_Row], free: list[int]) -> None:
+        """Prefills rows into the free slots (in order) and queues their first tokens."""
+        nd = len(self.devices)
         n_stop = max(len(r.req.params.stop_token_ids) for r in rows)
         if n_stop > self._consts.stop.shape[1]:
             self._consts = self._consts.take(
@@ -595,7 +619,13 @@ class JaxEngine:
         return self._state[0].max_len
 
     def _fit_cache(self, extra: int = 0) -> None:
-        """Sizes the cache to what live rows can reach by the end of the next chunk."""
+        """Sizes the cache to what live rows can reach by the end of the next chunk (or to
+        cache_len, always, when batch-invariant)."""
+        if self.cache_len is not None:
+            if self._S() != self.cache_len:
+                idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
+                self._state = self._relayout(self._state, idx, self.cache_len)
+            return
         need = max(
             [extra]
             + [r.prompt_len + min(self.chunk * (r.chunks + 1), r.max_new - 1) for r in self._live()]

@@ -198,6 +198,7 @@ class ProcessEngine:
         name: str = "rollout-0",
         update_mode: str = "drain",
         max_restarts: int = 0,
+        cache_len: int | None = None,
     ):
         if model is not None:
             config, params = model.config, Weights.of(model).flat()
@@ -217,7 +218,11 @@ class ProcessEngine:
         self._lock = threading.Lock()  # guards the current child's fields and sending
         self._closed = False
         self._kwargs = dict(
-            chunk=chunk, max_batch=max_batch, deadline_s=deadline_s, update_mode=update_mode
+            chunk=chunk,
+            max_batch=max_batch,
+            deadline_s=deadline_s,
+            update_mode=update_mode,
+            cache_len=cache_len,
         )
         self._xla_flags = xla_flags
         self._newest: tuple[int, dict | None] = (version, params)  # what a replacement serves

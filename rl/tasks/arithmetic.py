@@ -19,6 +19,7 @@ from rl.tasks.base import (
     sample_problems,
     score,
 )
+from rl.tasks.expr import twin_key
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -59,8 +60,12 @@ class ArithmeticTask:
         lo, hi = operand_range(self.digits)
         op = rng.choice(self.ops)
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        key = f"{a}{op}{b}"
-        return key, key + "=", str(OPS[op](a, b)), {"a": a, "b": b, "op": op}
+        meta = {"a": a, "b": b, "op": op}
+        return _key(meta), f"{a}{op}{b}=", str(OPS[op](a, b)), meta
+
+    def split_key(self, problem: Problem) -> str:
+        """The problem's canonical key: a+b, b+a, a*b, b*a share one, as do a-b and b-a."""
+        return _key(problem.meta)
 
     def problems(self, split: str, n: int) -> list[Problem]:
         """n problems of split ('train' | 'eval'); deterministic from the seed."""
@@ -84,6 +89,10 @@ class ArithmeticTask:
     def env_step(self, problem: Problem, transcript: str) -> str | None:
         """Single turn: the episode ends after the model's first turn."""
         return None
+
+
+def _key(meta: dict) -> str:
+    return twin_key(f"{meta['a']}{meta['op']}{meta['b']}")
 
 
 def _reverse_digits(text: str) -> str:

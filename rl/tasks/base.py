@@ -4,6 +4,8 @@ A task is a plain (frozen dataclass) object with:
   name: str; max_turns: int (1 = single turn); stop_texts: tuple[str, ...] (texts, each one token
   of the task tokenizer, that end a model turn besides eos);
   problems(split, n) -> list[Problem]   deterministic from the task seed, prefix-stable;
+  split_key(problem) -> str             the canonical key that decides the problem's split:
+                                        trivial twins (12+34 and 34+12) share it;
   reward(problem, completion) -> RewardResult;
   demonstration(problem) -> str         a correct completion (env observations included);
   env_step(problem, transcript) -> str | None   multi-turn: observation text to append, or
@@ -121,8 +123,9 @@ def sample_problems(
 ) -> list[Problem]:
     """n problems of split, drawn from one seeded stream; eval problems are distinct.
 
-    `draw(rng) -> (key, prompt, answer, meta)`; key identifies the problem for the split
-    partition, so train and eval never share a problem. The list for n is a prefix of the
+    `draw(rng) -> (key, prompt, answer, meta)`; key is the problem's canonical key (shared by
+    its trivial twins) for the split partition, so train and eval never share a problem or a
+    twin of one, and eval holds no two twins. The list for n is a prefix of the
     list for any larger n. Train problems may repeat (an i.i.d. stream).
     """
     if split not in SPLITS:

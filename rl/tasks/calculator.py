@@ -26,7 +26,7 @@ from rl.tasks.base import (
     sample_problems,
     score,
 )
-from rl.tasks.expr import DEFAULT_LIMITS, ExprError, evaluate, format_value
+from rl.tasks.expr import DEFAULT_LIMITS, ExprError, evaluate, format_value, twin_key
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -70,8 +70,13 @@ class CalculatorTask:
 
     def _draw(self, rng: random.Random) -> tuple[str, str, str, dict]:
         a, b, c = self._number(rng), self._number(rng), self._number(rng)
-        key = f"{a}*{b}+{c}"
-        return key, key + "=", str(a * b + c), {"a": a, "b": b, "c": c, "expression": key}
+        expression = f"{a}*{b}+{c}"
+        meta = {"a": a, "b": b, "c": c, "expression": expression}
+        return twin_key(expression), expression + "=", str(a * b + c), meta
+
+    def split_key(self, problem: Problem) -> str:
+        """The problem's canonical key: a*b+c and b*a+c share one."""
+        return twin_key(problem.meta["expression"])
 
     def problems(self, split: str, n: int) -> list[Problem]:
         """n problems of split ('train' | 'eval'); deterministic from the seed."""

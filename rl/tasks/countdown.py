@@ -57,6 +57,10 @@ def random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, int,
     return f"{lt}{op}{rt}", value, p
 
 
+def _key(meta: dict) -> str:
+    return f"{sorted(meta['numbers'])}->{meta['target']}"
+
+
 @dataclasses.dataclass(frozen=True)
 class CountdownTask:
     """Given 3-4 numbers and a target, write an equation with + - * / ( ) equal to the target."""
@@ -120,9 +124,8 @@ class CountdownTask:
                 text, value, _ = expr
                 if self.min_target <= value <= self.max_target:
                     target = value
-                    key = f"{sorted(numbers)}->{target}"
                     meta = {"numbers": tuple(numbers), "target": target}
-                    return key, self.prompt(numbers, target), text, meta
+                    return _key(meta), self.prompt(numbers, target), text, meta
         raise ValueError(
             f"countdown: no instance with a target in [{self.min_target}, {self.max_target}] "
             f"from numbers in [{self.min_number}, {self.max_number}]; widen the target range"
@@ -131,6 +134,10 @@ class CountdownTask:
     def problems(self, split: str, n: int) -> list[Problem]:
         """n solvable instances of split ('train' | 'eval'); answer = a reference solution."""
         return sample_problems(self.name, self.seed, split, n, self.eval_fraction, self._draw)
+
+    def split_key(self, problem: Problem) -> str:
+        """The problem's canonical key: its number multiset and target (the order is no twin)."""
+        return _key(problem.meta)
 
     def reward(self, problem: Problem, completion: str) -> RewardResult:
         """1.0 for an equation equal to the target using only the given numbers (each at most

@@ -176,3 +176,93 @@ def evaluate(text: str, limits: Limits = DEFAULT_LIMITS) -> Fraction:
 def format_value(x: Fraction) -> str:
     """An exact value as text: '12', '-3' or '7/2'."""
     return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+
+
+# A term: its factors as sorted (exponent, factor text) pairs, exponent 1 for *, -1 for /.
+# A sum: its terms as sorted (sign, term) pairs. Literals are one-factor terms.
+_Term = tuple[tuple[int, str], ...]
+_Sum = tuple[tuple[int, _Term], ...]
+
+
+def _render_term(term: _Term) -> str:
+    num = "*".join(f for e, f in term if e > 0) or "1"
+    return num + "".join("/" + f for e, f in term if e < 0)
+
+
+def _render_sum(terms) -> str:
+    return "".join(("+" if s > 0 else "-") + _render_term(t) for s, t in terms)
+
+
+def _sorted_sum(terms) -> _Sum:
+    return tuple(sorted(terms, key=lambda st: (_render_term(st[1]), st[0])))
+
+
+def _product(factors: list[tuple[int, _Sum]]) -> _Sum:
+    """A product of signed sums as one signed term; single-term factors are flattened into it."""
+    sign, pairs = 1, []
+    for exp, value in factors:
+        if len(value) == 1:
+            s, term = value[0]
+            sign *= s
+            pairs.extend((e * exp, f) for e, f in term)
+        else:
+            pairs.append((exp, f"({_render_sum(value)})"))
+    return ((sign, tuple(sorted(pairs, key=lambda ef: (-ef[0], ef[1])))),)
+
+
+class _CanonicalParser(_Parser):
+    """The evaluator's grammar, building sorted sum-of-products forms instead of values."""
+
+    def expr(self, depth: int) -> _Sum:
+        terms = list(self.term(depth))
+        while self.peek() in ("+", "-"):
+            sign = 1 if self.take() == "+" else -1
+            terms.extend((s * sign, t) for s, t in self.term(depth))
+        return _sorted_sum(terms)
+
+    def term(self, depth: int) -> _Sum:
+        factors = [(1, self.unary(depth))]
+        while self.peek() in ("*", "/"):
+            exp = 1 if self.take() == "*" else -1
+            factors.append((exp, self.unary(depth)))
+        return factors[0][1] if len(factors) == 1 else _product(factors)
+
+    def unary(self, depth: int) -> _Sum:
+        if depth >= self.limits.max_depth:
+            raise ExprLimitError(f"nesting deeper than {self.limits.max_depth}")
+        tok = self.peek()
+        if tok in ("+", "-"):
+            self.take()
+            value = self.unary(depth + 1)
+            return value if tok == "+" else _sorted_sum((-s, t) for s, t in value)
+        return self.atom(depth)
+
+    def atom(self, depth: int) -> _Sum:
+        tok = self.take()
+        if tok == "(":
+            value = self.expr(depth + 1)
+            if self.take() != ")":
+                raise ExprSyntaxError("expected ')'")
+            return value
+        if tok[0] in DIGITS:
+            return ((1, ((1, str(int(tok))),)),)
+        raise ExprSyntaxError(f"unexpected token {tok!r}")
+
+
+def twin_key(text: str, limits: Limits = DEFAULT_LIMITS) -> str:
+    """A key shared by an expression's trivial twins; raises ExprError on an invalid one.
+
+    Twins: the same expression up to the order and grouping of + and * operands (with - and /
+    as their inverses: a-(b-c) is a+c-b) and up to an overall sign (a-b and b-a), since each
+    one's answer follows from the other's without new arithmetic.
+    """
+    if not isinstance(text, str):
+        raise ExprSyntaxError(f"expression must be a str, got {type(text).__name__}")
+    parser = _CanonicalParser(_tokenize(text, limits), limits)
+    if not parser.tokens:
+        raise ExprSyntaxError("empty expression")
+    value = parser.expr(0)
+    if parser.peek() is not None:
+        raise ExprSyntaxError(f"unexpected token {parser.peek()!r} after a complete expression")
+    negated = _sorted_sum((-s, t) for s, t in value)
+    return min(_render_sum(value), _render_sum(negated))

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from rl.tasks.arithmetic import operand_range
 from rl.tasks.base import Problem, RewardResult, check_common, sample_problems
+from rl.tasks.expr import twin_key
 
 
 def pareto_budget(rng: random.Random, alpha: float, lo: int, hi: int) -> int:
@@ -57,7 +58,11 @@ class LongTailTask:
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         budget = pareto_budget(rng, self.alpha, self.min_tokens, self.max_tokens)
         meta = {"a": a, "b": b, "max_new_tokens": budget, "ignore_eos": True}
-        return f"{a}+{b}", f"{a}+{b}=", str(a + b), meta
+        return twin_key(f"{a}+{b}"), f"{a}+{b}=", str(a + b), meta
+
+    def split_key(self, problem: Problem) -> str:
+        """The problem's canonical key: a+b and b+a share one (budgets aside)."""
+        return twin_key(f"{problem.meta['a']}+{problem.meta['b']}")
 
     def problems(self, split: str, n: int) -> list[Problem]:
         """n problems of split ('train' | 'eval'); deterministic from the seed."""
