@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow  # whole multi-process runs under faults (still ru
 B, N = 2, 4  # groups per update, samples per group
 ETA = 1
 HEALTH_S = 6.0  # trainer.ray.health_deadline_s of the Ray runs: a SIGSTOP is found within it
+HANG_S = 8.0  # trainer.rollout_hang_s of the local run: a stopped rollout child is found within it
 SLACK_S = 30.0  # a replacement's start and the next update, on a loaded 2-core machine
 COMMON = [
     "sft.steps=0",
@@ -238,37 +239,74 @@ def _sigkill_at_call(engine, method: str, n: int, faults: Faults, name: str, thr
     setattr(engine, method, call)
 
 
-def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update(tmp_path, schedule):
+def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update_then_sigstopped(
+    tmp_path, schedule
+):
     """trainer.placement process: SIGKILL of the sampler child while a generate is in flight,
     later of its replacement while a weight update is in flight: each is replaced on the newest
     weights (the update it took is served by the replacement), the generate's groups are
-    dispatched again, and the run completes."""
+    dispatched again. Then SIGSTOP of the second replacement (alive, silent): its health check
+    goes unanswered for trainer.rollout_hang_s, it is killed and replaced as a dead one, well
+    before trainer.deadline_s; the run completes."""
     total = 5
     gen_call = schedule.draw("sigkill_child_at_generate_call", 2, 4)
     update_call = schedule.draw("sigkill_child_at_weight_update", 2, 3)
+    stop_delay = schedule.draw("sigstop_child_delay_s", 0, 2)
     print(schedule)
     cfg = _cfg(
-        tmp_path, "local", COMMON, f"trainer.total_updates={total}", "trainer.placement=process"
+        tmp_path,
+        "local",
+        COMMON,
+        f"trainer.total_updates={total}",
+        "trainer.placement=process",
+        "trainer.max_rollout_restarts=3",
+        f"trainer.rollout_hang_s={HANG_S:g}",
     )
-    faults = Faults()
+    faults, seen = Faults(), {}
+
+    def stop_replacement():  # the child that replaced the mid-update kill, once it serves
+        engine, t0 = seen["engine"], time.monotonic()
+        while time.monotonic() - t0 < 60:
+            if len(engine.lost) >= 2 and engine._live.is_set() and engine.pid not in seen["old"]:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"no replacement after the second kill: {engine.lost}")
+        time.sleep(stop_delay)
+        faults.inject("sigstop", engine.pid, signal.SIGSTOP)
 
     def on_engine(engine):
+        seen["engine"] = engine
         _sigkill_at_call(engine, "generate", gen_call, faults, "mid_generate", "rollout-")
         _sigkill_at_call(engine, "update_weights", update_call, faults, "mid_update")
 
     def on_update(version, row):
         for name in faults.at:
             faults.recover(name)
+        if "mid_update" in faults.pids and "stopper" not in seen:
+            seen["old"] = set(faults.pids.values())
+            seen["stopper"] = threading.Thread(target=stop_replacement, daemon=True)
+            seen["stopper"].start()
 
     trainer = Trainer(cfg)
-    trainer.run(on_engine=on_engine, on_update=on_update)
+    try:
+        trainer.run(on_engine=on_engine, on_update=on_update)
+    finally:
+        if "sigstop" in faults.pids:
+            release(faults.pids["sigstop"])
     last = check_run(trainer.run_dir, total=total, groups_per_update=B, group_size=N, eta=ETA)
-    assert set(faults.pids) == {"mid_generate", "mid_update"}, faults.pids
-    assert last["rollout/restarts"] == 2 and last["rollout/workers_lost"] == 2
+    engine = seen["engine"]
+    assert set(faults.pids) == {"mid_generate", "mid_update", "sigstop"}, faults.pids
+    assert engine.restarts == 3 and len(engine.lost) == 3, engine.lost
+    hung = f"hung: no answer to a health check within trainer.rollout_hang_s={HANG_S:g}s"
+    assert hung in engine.lost[2] and f"pid {faults.pids['sigstop']}" in engine.lost[2]
+    assert last["rollout/restarts"] >= 2  # the row is read before the final evaluation
     assert last["coordinator/redispatched"] >= 1  # the killed generate's groups
     assert all(gone(pid) for pid in faults.pids.values())
-    for name in faults.pids:
+    for name in ("mid_generate", "mid_update"):
         assert faults.took(name) < SLACK_S + 30, (name, faults.took(name))
+    if "sigstop" in faults.recovered:  # an update logged after it (else the final evaluation)
+        assert faults.took("sigstop") < HANG_S + SLACK_S, faults.took("sigstop")
 
 
 # -- checkpoints: a write that fails, a damaged newest checkpoint at resume --------------------
