@@ -300,7 +300,11 @@ def make_engine(
 
         cores = place.cores.rollout if place.cores else ()
         return ProcessEngine(
-            learner.model, cores=cores, max_restarts=t.max_rollout_restarts, **common
+            learner.model,
+            cores=cores,
+            max_restarts=t.max_rollout_restarts,
+            hang_s=t.rollout_hang_s,
+            **common,
         )
     from rl.rollout.jax_engine import JaxEngine
 

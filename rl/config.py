@@ -288,6 +288,12 @@ class TrainerSection:
         "local transport: replacements of a dead rollout process (placement process) started "
         "per run before the run fails; its groups are dispatched again (ray: ray.max_restarts)",
     )
+    rollout_hang_s: float = F(
+        60.0,
+        "local transport: a rollout process (placement process) that leaves a health check "
+        "unanswered this long is hung: it is killed and replaced as a dead one (at most "
+        "trainer.deadline_s)",
+    )
     rollout_cores: list[int] = F([0], "pin_cores: CPU cores of the rollout process")
     learner_cores: list[int] = F(
         [], "pin_cores: CPU cores of the learner process; empty = every core not for rollout"
@@ -475,6 +481,13 @@ def _check_ranges(cfg: RunConfig) -> None:
     positive("trainer.sync_every", cfg.trainer.sync_every)
     positive("trainer.deadline_s", cfg.trainer.deadline_s)
     positive("trainer.max_rollout_restarts", cfg.trainer.max_rollout_restarts, allow_zero=True)
+    positive("trainer.rollout_hang_s", cfg.trainer.rollout_hang_s)
+    if cfg.trainer.rollout_hang_s > cfg.trainer.deadline_s:
+        raise ConfigError(
+            f"trainer.rollout_hang_s: invalid value {cfg.trainer.rollout_hang_s!r}; must be <= "
+            f"trainer.deadline_s ({cfg.trainer.deadline_s!r}): a hung rollout process must be "
+            "found before the learner's wait for its groups fails the run"
+        )
     positive("optim.lr", cfg.optim.lr)
     positive("sft.steps", cfg.sft.steps, allow_zero=True)
     positive("algorithm.clip_eps", cfg.algorithm.clip_eps)

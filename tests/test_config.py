@@ -101,6 +101,13 @@ def test_resolved_config_round_trips(tmp_path):
             ["trainer.placement=in_process", "trainer.pin_cores=true"],
             ["trainer.pin_cores", "'in_process'", "auto, process"],
         ),
+        # a rollout hang deadline that is not positive, or outlasts the run's deadline
+        ("", ["trainer.rollout_hang_s=0"], ["trainer.rollout_hang_s", "must be > 0"]),
+        (
+            "",
+            ["trainer.rollout_hang_s=700", "trainer.deadline_s=600"],
+            ["trainer.rollout_hang_s", "700", "trainer.deadline_s (600.0)"],
+        ),
         # 16. packing with a per-sequence aggregation
         (
             "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from vllm_helpers import PROMPTS, requests_for, run_in_thread, sha256
 
+from rl.rollout.base import Weights
 from rl.rollout.vllm import VLLMEngine
 from rl.rollout.vllm_host import VLLMError
 
@@ -25,6 +26,7 @@ class FakeVLLM:
 
         self.token_s, self.fail_reload = token_s, fail_reload
         self.drop = drop  # completions answered by closing the connection, no response
+        self.stopped = threading.Event()  # set: every call waits until cleared (as SIGSTOP)
         self.calls: list[str] = []
         self.prompts: list[list[int]] = []
         self.version, self.abort_epoch, self.active, self.max_active = "default", 0, 0, 0
@@ -44,12 +46,14 @@ class FakeVLLM:
                 self.wfile.write(data)
 
             def do_GET(self):
+                fake.hold()
                 fake.calls.append(self.path)
                 if self.path == "/weight_info":
                     return self.reply(200, {"weight_version": fake.version})
                 self.reply(200, {})
 
             def do_POST(self):
+                fake.hold()
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"{}")
                 fake.calls.append(self.path)
@@ -72,6 +76,12 @@ class FakeVLLM:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def hold(self):
+        """Blocks the calling handler while the fake is stopped (bounded: a test's cleanup)."""
+        end = time.monotonic() + 60
+        while self.stopped.is_set() and time.monotonic() < end:
+            time.sleep(0.01)
 
     def complete(self, body) -> dict:
         with self.lock:
@@ -163,6 +173,7 @@ def test_partial_update_failure_marks_host_unhealthy(tmp_path):
         engine.update_weights(1, fake_weights_dir(tmp_path, 1))
         assert engine.version == 1 and engine.host_versions == {good.url: 1, bad.url: 0}
         assert good.calls == [
+            "/health",
             "/pause?mode=abort",
             "/collective_rpc",
             "/update_weight_version",
@@ -206,6 +217,65 @@ def test_continue_mode_resubmits_the_prefix_on_the_new_version(tmp_path):
         assert gen.token_ids.tolist() == expected_tokens(prompt, 200)
         assert fake.prompts == [prompt, prompt + gen.token_ids[:k].tolist()]  # prefix resent
         assert fake.calls.index("/abort_requests") < fake.calls.index("/collective_rpc")
+    finally:
+        engine.close()
+        fake.close()
+
+
+def test_fake_stopped_host_is_found_by_its_deadline_and_its_requests_go_to_the_other(tmp_path):
+    """A host that stops answering (the fake holds every call, as a SIGSTOPped server would):
+    its requests time out after request_timeout_s, /health does not answer either, so it is
+    marked unhealthy and they complete on the other host; a weight update skips it without
+    waiting for it, and once it answers again an update reloads it and takes it back."""
+    a, b = FakeVLLM(token_s=0.01), FakeVLLM(token_s=0.01)
+    engine = VLLMEngine([a.url, b.url], version=0, request_timeout_s=2, deadline_s=60)
+    try:
+        b.stopped.set()
+        t0 = time.monotonic()
+        gens = engine.generate(requests_for(PROMPTS, "hung", max_new_tokens=5))
+        took = time.monotonic() - t0
+        assert all(g.token_ids.tolist() == expected_tokens(p, 5) for p, g in zip(PROMPTS, gens))
+        assert took < 2 + 5 + 5, took  # request timeout, then the /health probe
+        assert engine.stats()["hosts_healthy"] == 1
+        t0 = time.monotonic()
+        engine.update_weights(1, fake_weights_dir(tmp_path, 1))
+        assert time.monotonic() - t0 < 5 + 3  # the probe's deadline, not update_timeout_s
+        assert engine.host_versions == {a.url: 1, b.url: 0}
+        b.stopped.clear()
+        engine.update_weights(2, fake_weights_dir(tmp_path, 2))
+        assert engine.host_versions == {a.url: 2, b.url: 2}
+        assert engine.stats()["hosts_healthy"] == 2
+    finally:
+        b.stopped.clear()
+        engine.close()
+        a.close()
+        b.close()
+
+
+def test_a_damaged_published_directory_is_refused_and_written_again(tmp_path):
+    """A shard damaged after its manifest was written fails the sha256 check before any host
+    reloads it: the engine has the Weights write the directory again and loads that; a plain
+    directory (no maker) is refused with the error naming the file."""
+    fake = FakeVLLM()
+    engine = VLLMEngine([fake.url], version=0, deadline_s=30)
+    writes = []
+
+    def make_path():
+        path = fake_weights_dir(tmp_path / f"w{len(writes)}", 1)
+        if not writes:  # the first write is damaged after the manifest went down
+            with open(os.path.join(path, "model.safetensors"), "w") as f:
+                f.write("y")
+        writes.append(path)
+        return path
+
+    try:
+        engine.update_weights(1, Weights(make_path=make_path))
+        assert len(writes) == 2 and engine.host_versions == {fake.url: 1}
+        assert len(engine.refused) == 1 and "sha256 of" in engine.refused[0]
+        assert fake.calls.count("/collective_rpc") == 1  # only the good directory was loaded
+        with pytest.raises(VLLMError, match="model.safetensors.*does not match"):
+            engine.update_weights(1, writes[0])  # the damaged one, as a plain path
+        assert engine.host_versions == {fake.url: 1}
     finally:
         engine.close()
         fake.close()

@@ -152,6 +152,15 @@ class Weights:
                 self._path = self._make_path()
             return self._path
 
+    def rewrite(self) -> str | None:
+        """Writes path() again with make_path (the published directory was found damaged);
+        None if these weights came as a directory, with no maker to write it again."""
+        with self._lock:
+            if self._make_path is None:
+                return None
+            self._path = self._make_path()
+            return self._path
+
     def ref(self):
         """A Ray ObjectRef of flat() (put once, or made by make_ref)."""
         with self._lock:

@@ -15,7 +15,9 @@ with the in-process JaxEngine (`drain` waits for the running batch, `continue` m
 'abort' partials at the next chunk boundary). Every wait has a deadline. A child that dies
 is replaced (up to max_restarts) by one on the newest weights: the calls it took with it raise
 WorkerLost, so their work is dispatched again; past the limit a call raises
-RolloutProcessError naming the child and its exit code.
+RolloutProcessError naming the child and its exit code. A watchdog pings the child (its main
+thread answers "stats" while generates run): one that leaves a ping unanswered for hang_s is
+hung (stopped, deadlocked) and is killed, and then replaced exactly as a dead one.
 
 The child starts its own session (os.setsid), as a separately launched engine server would:
 Linux's autogroup scheduler gives each session one fair share of a busy host.
@@ -199,6 +201,7 @@ class ProcessEngine:
         update_mode: str = "drain",
         max_restarts: int = 0,
         cache_len: int | None = None,
+        hang_s: float | None = None,
     ):
         if model is not None:
             config, params = model.config, Weights.of(model).flat()
@@ -207,11 +210,13 @@ class ProcessEngine:
         self.config = config
         self.version = version
         self.deadline_s = deadline_s
+        self.hang_s = deadline_s if hang_s is None else min(hang_s, deadline_s)
         self.name = name
         self.cores = tuple(cores)
         self.max_restarts = max_restarts
         self.restarts = 0
         self.lost: list[str] = []  # why each replaced child ended
+        self._hung: dict[int, str] = {}  # pid -> why the watchdog killed it
         self._stats: dict = {"busy_s": 0.0, "generate_calls": 0, "tokens": 0, "install_s": 0.0}
         self.sync_times: list[dict] = []  # per update_weights: flatten, send, install, total
         self._ids = itertools.count()
@@ -266,6 +271,45 @@ class ProcessEngine:
             raise
         self.pid = process.pid
         self.child_cores = tuple(info["cores"])  # the affinity the child reports
+        watchdog = threading.Thread(
+            target=self._watch, args=(process, conn, pending), name=f"{name}-watchdog"
+        )
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _watch(self, process, conn, pending: dict) -> None:
+        """Pings one child while it is the current one; a ping unanswered for hang_s means the
+        child is hung: it is SIGKILLed, and its reader replaces it as a dead one."""
+        while not self._closed and process is self.process and process.is_alive():
+            p = _Pending()
+            # sent from a thread of its own: a send to a stopped child can block (a full pipe)
+            ping = threading.Thread(target=self._ping, args=(process, conn, pending, p))
+            ping.daemon = True
+            ping.start()
+            if not p.event.wait(self.hang_s):
+                if self._closed or process is not self.process or not process.is_alive():
+                    return
+                self._hung[process.pid] = (
+                    f"hung: no answer to a health check within "
+                    f"trainer.rollout_hang_s={self.hang_s:g}s, killed"
+                )
+                process.kill()
+                return
+            # the next ping after a quarter of the deadline, at once if the child exits
+            mpc.wait([process.sentinel], timeout=self.hang_s / 4)
+
+    def _ping(self, process, conn, pending: dict, p: _Pending) -> None:
+        """Sends one health check ("stats") to `process`; its reader answers `p`."""
+        with self._lock:
+            if process is not self.process or self._dead:
+                p.event.set()  # not the current child: the watchdog stops
+                return
+            mid = next(self._ids)
+            pending[mid] = p
+            try:
+                conn.send(("stats", mid, None))
+            except (OSError, ValueError):  # gone: its reader fails `p` and reports how
+                pass
 
     def _limit_note(self) -> str:
         return (
@@ -304,6 +348,7 @@ class ProcessEngine:
                     self._call(p.callback, ok, value)
         process.join(timeout=5)
         why = "closed" if self._closed else f"died (exit code {process.exitcode})"
+        why = self._hung.get(process.pid, why)
         dead = f"{self._describe(process)} {why}"
         with self._lock:
             current = process is self.process

@@ -24,8 +24,12 @@ only at `SamplingParams.stop_token_ids` (the stop token is kept) or `max_new_tok
 model's EOS stops nothing unless it is listed.
 
 Failures are bounded: every HTTP call has a timeout, generate() has an overall deadline, a host
-whose connection fails is marked unhealthy and its requests go to the others, and when no host
-is healthy generate() raises VLLMError naming each host, its exit code and its log tail.
+whose connection fails, or that leaves a request unanswered past its timeout and then /health
+too (a hung host), is marked unhealthy and its requests go to the others; a weight update skips
+a host whose /health does not answer (and takes it back once it does). When no host is healthy
+generate() raises VLLMError naming each host, its exit code and its log tail. A published
+directory that fails its manifest check is written again once by its maker (Weights.rewrite)
+before the update gives up.
 generate() may be called from many threads at once; update_weights() from another.
 """
 
@@ -58,6 +62,7 @@ from rl.rollout.vllm_host import (
 log = logging.getLogger(__name__)
 
 UPDATE_MODES = ("drain", "abort", "continue")
+HEALTH_PROBE_S = 5.0  # how long a /health probe of a host that may be hung waits
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
@@ -128,6 +133,7 @@ class VLLMEngine:
         self.clock = BusyClock()
         self.updates = 0
         self.sync_s = 0.0
+        self.refused: list[str] = []  # published directories refused (and written again)
         self._rr = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_concurrency, thread_name_prefix="vllm-engine"
@@ -361,10 +367,12 @@ class VLLMEngine:
         try:
             resp = http_session().post(host.url + "/v1/completions", json=body, timeout=timeout_s)
         except requests.Timeout:
-            self._abort_ids(host, [f"cmpl-{vllm_request_id}-0"])
-            raise _RetryableError(
-                host.failure_message(f"no answer within {timeout_s:.1f} s"), host_down=False
-            ) from None
+            # a host that answers neither the request nor /health is hung (stopped, wedged)
+            down = not host.is_healthy(timeout_s=HEALTH_PROBE_S)
+            if not down:
+                self._abort_ids(host, [f"cmpl-{vllm_request_id}-0"])
+            what = f"no answer within {timeout_s:.1f} s" + (", nor to /health" if down else "")
+            raise _RetryableError(host.failure_message(what), host_down=down) from None
         except requests.RequestException as e:
             # A pooled keep-alive connection the server closed as it was reused fails the same
             # way as a dead host ("Remote end closed connection without response"): the host is
@@ -486,13 +494,24 @@ class VLLMEngine:
     def update_weights(self, version: int, weights) -> WeightUpdate:
         """Reloads every host from the published HF directory of `weights`, as `version`.
 
-        Returns when the hosts serve it. Raises VLLMError (hosts untouched) if the directory
-        fails verify_weights_dir, or if no host loaded it; a host that fails alone is marked
-        unhealthy and left out of dispatch. While paused with 'keep', in-flight requests are
-        aborted (never drained) first.
+        Returns when the hosts serve it. A directory that fails verify_weights_dir is written
+        again once if `weights` can (Weights.rewrite); raises VLLMError (hosts untouched) if it
+        still fails, or if no host loaded it. A host that fails alone, or whose /health does not
+        answer, is marked unhealthy and left out of dispatch until an update reloads it.
+        While paused with 'keep', in-flight requests are aborted (never drained) first.
         """
-        path = os.path.abspath(Weights.of(weights).path())
-        verify_weights_dir(path, version, checksums=self.verify_checksums)
+        w = Weights.of(weights)
+        path = os.path.abspath(w.path())
+        try:
+            verify_weights_dir(path, version, checksums=self.verify_checksums)
+        except VLLMError as e:
+            again = w.rewrite()  # damaged after it was written: publish it once more
+            if again is None:
+                raise
+            log.warning("version %d refused (%s); published again", version, e)
+            self.refused.append(str(e))
+            path = os.path.abspath(again)
+            verify_weights_dir(path, version, checksums=self.verify_checksums)
         tied = ties_word_embeddings(path)
         with self._update_lock:
             t0 = time.monotonic()
@@ -522,6 +541,8 @@ class VLLMEngine:
             st.update_epoch += 1
             keep_paused = self._paused == "keep"
         try:
+            if not st.host.is_healthy(timeout_s=HEALTH_PROBE_S):  # dead or hung: skip it
+                raise VLLMError(st.host.failure_message("/health did not answer; not reloaded"))
             drained = False
             if self.update_mode == "drain" and not keep_paused:
                 drained = self._wait_idle([st], self.update_timeout_s)
