@@ -141,6 +141,8 @@ def bench_learner(args) -> dict:
     batch = synthetic_batch(cfg.vocab_size, B, T, seed=args.seed)
     if args.segments == "none":  # rows are unpacked: drop the segment mask
         batch = {k: v for k, v in batch.arrays().items() if k != "segment_ids"}
+    if args.compile_only:
+        return _compile_times(learner, batch, args)
     times = []
     for i in range(total):
         t0 = time.perf_counter()
@@ -186,6 +188,55 @@ def bench_learner(args) -> dict:
         hfu=hfu,
         model_tflops=flops_s / 1e12,
     )
+
+
+def _lower_compile(name: str, jitted, *args) -> tuple[float, float]:
+    """(lowering s, compiling s) of a jitted function on `args`, nothing run; printed."""
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    print(f"{name}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s, total {t2 - t0:.2f} s")
+    return t1 - t0, t2 - t1
+
+
+def _compile_times(learner, batch, args) -> dict:
+    """Lowers and compiles, without running them, the learner's update step and the JAX
+    sampler's decode chunk and prefill (--batch rows, a cache of --seq positions)."""
+    from rl.rollout import jax_engine as je
+
+    lower_s, compile_s = _lower_compile(
+        "learner update", learner._train, learner.state, learner._device_batch(batch)
+    )
+    out = dict(learner_lower_s=lower_s, learner_compile_s=compile_s)
+    engine = je.JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
+    try:
+        engine._resize([], engine.max_batch)  # the slots' state with the smallest cache
+        C = engine.max_batch
+        idx = jax.device_put(np.arange(C, dtype=np.int32), engine.rows)
+        S = je.length_bucket(args.seq, je.LEN_BUCKETS)
+        engine._state = engine._relayout(engine._state, idx, S)
+        consts = jax.device_put(engine._consts.arrays(), engine.rows)
+        live = jax.device_put(np.ones(C, bool), engine.rows)
+        lower_s, compile_s = _lower_compile(
+            f"sampler decode chunk ({args.decode_chunk} steps)",
+            engine._decode,
+            engine.params,
+            engine._state,
+            live,
+            consts,
+        )
+        out.update(decode_lower_s=lower_s, decode_compile_s=compile_s)
+        tokens = jax.device_put(np.zeros((C, S), np.int32), engine.rows)
+        lengths = jax.device_put(np.full(C, S, np.int32), engine.rows)
+        lower_s, compile_s = _lower_compile(
+            "sampler prefill", engine._prefill, engine.params, tokens, lengths, consts
+        )
+        out.update(prefill_lower_s=lower_s, prefill_compile_s=compile_s)
+    finally:
+        engine.close()
+    return out
 
 
 def _checkpoint_times(learner, batch) -> dict:
@@ -308,6 +359,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint", action="store_true", help="also time a sync and an async checkpoint"
     )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only lower and compile the update step and the sampler's decode chunk and prefill",
+    )
+    p.add_argument(
+        "--decode-chunk", type=int, default=16, help="decode steps per chunk (--compile-only)"
+    )
     return p
 
 
@@ -315,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the learner benchmark and prints its RESULT line last."""
     args = _parser().parse_args(argv)
     if reject_nonpositive(
-        args, ("batch", "seq", "steps", "warmup", "devices", "hosts"), zero_ok=("warmup",)
+        args,
+        ("batch", "seq", "steps", "warmup", "devices", "hosts", "decode_chunk"),
+        zero_ok=("warmup",),
     ):
         return 2
     print_result(bench_learner(args))
