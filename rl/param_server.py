@@ -46,11 +46,12 @@ def io_workers() -> int:
 
 
 def host_params_hf_layout(params) -> dict:
-    """The params as host numpy arrays (a pure dict), every 2-D kernel stored in HF (out, in) order.
+    """The params as host numpy arrays (a pure dict), every kernel stored in HF (out, in) order.
 
-    Each kernel is copied into a C-contiguous (out, in) array by a thread pool (numpy's copies
-    release the GIL) and handed on as its (in, out) transposed view, so to_hf_tensors' transpose
-    is a free view: the conversion's main cost, one strided copy per kernel, runs on every core.
+    Each kernel ([in, out], or [L, in, out] for the stacked decoder layers) is copied into a
+    C-contiguous (out, in) array per layer by a thread pool (numpy's copies release the GIL) and
+    handed on as its transposed view, so to_hf_tensors' slice and transpose are free views: the
+    conversion's main cost, one strided copy per kernel, runs on every core.
     """
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
@@ -59,8 +60,8 @@ def host_params_hf_layout(params) -> dict:
 
     def hf_order(path, x):
         x = np.asarray(x)
-        if getattr(path[-1], "key", None) == "kernel" and x.ndim == 2:
-            return np.ascontiguousarray(x.T).T
+        if getattr(path[-1], "key", None) == "kernel" and x.ndim in (2, 3):
+            return np.ascontiguousarray(x.swapaxes(-1, -2)).swapaxes(-1, -2)
         return x
 
     with concurrent.futures.ThreadPoolExecutor(io_workers()) as pool:

@@ -226,3 +226,24 @@ def test_retention_keeps_newest_and_served_and_a_failing_engine_is_reported(tmp_
         "v000004",
         "v000005",
     ]
+
+
+def test_hf_layout_kernels_are_free_views_in_torch_order():
+    """Stacked [L, in, out] kernels come back (out, in)-contiguous per layer, so the HF tensors
+    (slice, transpose) are views, equal to the plain conversion."""
+    from models.hf import to_hf_tensors
+    from rl.param_server import host_params_hf_layout
+
+    params = nnx.state(create_model(CONFIG, seed=0), nnx.Param)
+    host = host_params_hf_layout(params)
+    stacked = host["model"]["layers"]["mlp"]["up_proj"]["kernel"]
+    assert stacked.shape == (CONFIG.num_hidden_layers, 128, 512)
+    assert all(stacked[i].T.flags["C_CONTIGUOUS"] for i in range(stacked.shape[0]))
+    assert host["lm_head"]["kernel"].T.flags["C_CONTIGUOUS"]
+    fast, plain = to_hf_tensors(CONFIG, host), to_hf_tensors(CONFIG, params)
+    assert list(fast) == list(plain)
+    assert all(np.array_equal(fast[k], plain[k]) for k in plain)
+    up = plain["model.layers.1.mlp.up_proj.weight"]
+    assert np.array_equal(
+        up, np.asarray(params["model"]["layers"]["mlp"]["up_proj"]["kernel"][1]).T
+    )
