@@ -248,19 +248,22 @@ _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_s
 def _scan_layers(layers: DecoderLayer, body, carry, xs=None, *, remat: str = "none"):
     """`body(layer, carry, x) -> (carry, y)` over the stacked layers (x, y: leading L axis).
 
-    remat (none / full / dots_saveable) rematerialises each layer's body in the backward pass.
+    A jax.lax.scan over the layers' split state (each step merges its slice into a one-layer
+    module), so the model can be called inside other jax loops (nnx.scan refuses modules from
+    an outer trace). remat (none / full / dots_saveable) applies to each layer's step.
     """
+    graphdef, state = nnx.split(layers)
+
+    def step(carry, scanned):
+        state_i, x = scanned
+        state_i = nnx.spmd.remove_axis(state_i, 0, _LAYERS_AXIS)  # metadata of one slice
+        return body(nnx.merge(graphdef, state_i), carry, x)
+
     if remat != "none":
-        body = nnx.remat(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
-    scan = nnx.scan(
-        body,
-        in_axes=(0, nnx.Carry, 0),
-        out_axes=(nnx.Carry, 0),
-        transform_metadata=_LAYERS_AXIS,
-    )
+        step = jax.checkpoint(step, policy=_REMAT_POLICIES[remat], prevent_cse=False)
     if xs is None:  # nothing per layer: scan over the layer index
         xs = jnp.arange(layers.input_layernorm.weight.shape[0])
-    return scan(layers, carry, xs)
+    return jax.lax.scan(step, carry, (state, xs))
 
 
 def _write_slot(cache_LBSKH, new_B1KH, layer, positions_B) -> jax.Array:

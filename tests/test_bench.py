@@ -47,7 +47,8 @@ def test_learner_compile_only(capsys):
     assert bench.main(argv.split()) == 0
     out = capsys.readouterr().out
     result = _parse_result(out)
-    names = [f"{p}_{s}_s" for p in ("learner", "decode", "prefill") for s in ("lower", "compile")]
+    parts = ("lower", "compile", "lower_cpu", "compile_cpu")
+    names = [f"{p}_{s}_s" for p in ("learner", "decode", "prefill") for s in parts]
     assert sorted(result) == sorted(names)
     _positive_finite(result, *names)
     assert "warmup step" not in out and "tokens/s" not in out  # nothing was run

@@ -190,15 +190,19 @@ def bench_learner(args) -> dict:
     )
 
 
-def _lower_compile(name: str, jitted, *args) -> tuple[float, float]:
-    """(lowering s, compiling s) of a jitted function on `args`, nothing run; printed."""
-    t0 = time.perf_counter()
+def _lower_compile(name: str, jitted, *args) -> dict:
+    """Seconds to lower and to compile a jitted function on `args` (nothing run), wall and this
+    process's CPU time (steadier than wall on a shared machine); printed."""
+    w0, c0 = time.perf_counter(), time.process_time()
     lowered = jitted.lower(*args)
-    t1 = time.perf_counter()
+    w1, c1 = time.perf_counter(), time.process_time()
     lowered.compile()
-    t2 = time.perf_counter()
-    print(f"{name}: lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s, total {t2 - t0:.2f} s")
-    return t1 - t0, t2 - t1
+    w2, c2 = time.perf_counter(), time.process_time()
+    print(
+        f"{name}: lower {w1 - w0:.2f} s, compile {w2 - w1:.2f} s, total {w2 - w0:.2f} s "
+        f"(CPU time: lower {c1 - c0:.2f} s, compile {c2 - c1:.2f} s)"
+    )
+    return dict(lower_s=w1 - w0, compile_s=w2 - w1, lower_cpu_s=c1 - c0, compile_cpu_s=c2 - c1)
 
 
 def _compile_times(learner, batch, args) -> dict:
@@ -206,10 +210,10 @@ def _compile_times(learner, batch, args) -> dict:
     sampler's decode chunk and prefill (--batch rows, a cache of --seq positions)."""
     from rl.rollout import jax_engine as je
 
-    lower_s, compile_s = _lower_compile(
-        "learner update", learner._train, learner.state, learner._device_batch(batch)
-    )
-    out = dict(learner_lower_s=lower_s, learner_compile_s=compile_s)
+    out = {}
+    add = lambda prefix, times: out.update({f"{prefix}_{k}": v for k, v in times.items()})
+    b = learner._device_batch(batch)
+    add("learner", _lower_compile("learner update", learner._train, learner.state, b))
     engine = je.JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
     try:
         engine._resize([], engine.max_batch)  # the slots' state with the smallest cache
@@ -219,21 +223,12 @@ def _compile_times(learner, batch, args) -> dict:
         engine._state = engine._relayout(engine._state, idx, S)
         consts = jax.device_put(engine._consts.arrays(), engine.rows)
         live = jax.device_put(np.ones(C, bool), engine.rows)
-        lower_s, compile_s = _lower_compile(
-            f"sampler decode chunk ({args.decode_chunk} steps)",
-            engine._decode,
-            engine.params,
-            engine._state,
-            live,
-            consts,
-        )
-        out.update(decode_lower_s=lower_s, decode_compile_s=compile_s)
+        decode = (engine.params, engine._state, live, consts)
+        add("decode", _lower_compile("sampler decode chunk", engine._decode, *decode))
         tokens = jax.device_put(np.zeros((C, S), np.int32), engine.rows)
         lengths = jax.device_put(np.full(C, S, np.int32), engine.rows)
-        lower_s, compile_s = _lower_compile(
-            "sampler prefill", engine._prefill, engine.params, tokens, lengths, consts
-        )
-        out.update(prefill_lower_s=lower_s, prefill_compile_s=compile_s)
+        prefill = (engine.params, tokens, lengths, consts)
+        add("prefill", _lower_compile("sampler prefill", engine._prefill, *prefill))
     finally:
         engine.close()
     return out
