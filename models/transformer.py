@@ -267,13 +267,29 @@ def _scan_layers(layers: DecoderLayer, body, carry, xs=None, *, remat: str = "no
 
 
 def _write_slot(cache_LBSKH, new_B1KH, layer, positions_B) -> jax.Array:
-    """The cache with layer `layer`'s slot positions_B[b] of row b set to new_B1KH[b]."""
+    """The cache with layer `layer`'s slot positions_B[b] of row b set to new_B1KH[b].
 
-    def update(c_LSKH, x_1KH, p):
-        return jax.lax.dynamic_update_slice(c_LSKH, x_1KH[None], (layer, p, 0, 0))
-
-    new_B1KH = new_B1KH.astype(cache_LBSKH.dtype)
-    return jax.vmap(update, in_axes=(1, 0, 0), out_axes=1)(cache_LBSKH, new_B1KH, positions_B)
+    One scatter with the rows as its batching dimension: written in place in the layout it has
+    (a vmapped update moves the rows to the front: whole-cache transposes in every layer).
+    """
+    B = positions_B.shape[0]
+    index_B2 = jnp.stack([jnp.full((B,), layer, jnp.int32), positions_B.astype(jnp.int32)], 1)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2),  # updates [B, K, H]: K and H are the window
+        inserted_window_dims=(0, 2),  # one layer, one slot
+        scatter_dims_to_operand_dims=(0, 2),
+        operand_batching_dims=(1,),
+        scatter_indices_batching_dims=(0,),
+    )
+    return jax.lax.scatter(
+        cache_LBSKH,
+        index_B2,
+        new_B1KH[:, 0].astype(cache_LBSKH.dtype),
+        dims,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
 
 
 def _precise(method):
