@@ -190,11 +190,11 @@ def bench_learner(args) -> dict:
     )
 
 
-def _lower_compile(name: str, jitted, *args) -> dict:
-    """Seconds to lower and to compile a jitted function on `args` (nothing run), wall and this
+def _compile(name: str, lower) -> dict:
+    """Seconds to lower (`lower()`) and to compile a program, nothing run: wall and this
     process's CPU time (steadier than wall on a shared machine); printed."""
     w0, c0 = time.perf_counter(), time.process_time()
-    lowered = jitted.lower(*args)
+    lowered = lower()
     w1, c1 = time.perf_counter(), time.process_time()
     lowered.compile()
     w2, c2 = time.perf_counter(), time.process_time()
@@ -212,23 +212,12 @@ def _compile_times(learner, batch, args) -> dict:
 
     out = {}
     add = lambda prefix, times: out.update({f"{prefix}_{k}": v for k, v in times.items()})
-    b = learner._device_batch(batch)
-    add("learner", _lower_compile("learner update", learner._train, learner.state, b))
+    add("learner", _compile("learner update", lambda: learner.lower_update(batch)))
     engine = je.JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
     try:
-        engine._resize([], engine.max_batch)  # the slots' state with the smallest cache
-        C = engine.max_batch
-        idx = jax.device_put(np.arange(C, dtype=np.int32), engine.rows)
-        S = je.length_bucket(args.seq, je.LEN_BUCKETS)
-        engine._state = engine._relayout(engine._state, idx, S)
-        consts = jax.device_put(engine._consts.arrays(), engine.rows)
-        live = jax.device_put(np.ones(C, bool), engine.rows)
-        decode = (engine.params, engine._state, live, consts)
-        add("decode", _lower_compile("sampler decode chunk", engine._decode, *decode))
-        tokens = jax.device_put(np.zeros((C, S), np.int32), engine.rows)
-        lengths = jax.device_put(np.full(C, S, np.int32), engine.rows)
-        prefill = (engine.params, tokens, lengths, consts)
-        add("prefill", _lower_compile("sampler prefill", engine._prefill, *prefill))
+        C, S = engine.max_batch, je.length_bucket(args.seq, je.LEN_BUCKETS)
+        add("decode", _compile("sampler decode chunk", lambda: engine.lower_decode(C, S)))
+        add("prefill", _compile("sampler prefill", lambda: engine.lower_prefill(C, S)))
     finally:
         engine.close()
     return out

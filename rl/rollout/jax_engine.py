@@ -407,6 +407,32 @@ class JaxEngine:
         cache, tok, pos, n, done, toks, lps = jax.lax.fori_loop(0, self.chunk, one, carry)
         return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8)
 
+    def _abstract(self, C: int, S: int):
+        """Shapes and shardings of (state, consts, live) for C slots and a cache of S slots."""
+        arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        kv = jax.eval_shape(lambda: init_cache(self.config, C, S))
+        cache = KVCache(
+            k=arg(kv.k.shape, kv.k.dtype, self.cache_rows.k),
+            v=arg(kv.v.shape, kv.v.dtype, self.cache_rows.v),
+        )
+        i32 = arg((C,), jnp.int32, self.rows)
+        flag = arg((C,), jnp.bool_, self.rows)
+        empty = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
+        consts = tuple(arg(a.shape, a.dtype, self.rows) for a in empty)
+        return (cache, i32, i32, i32, flag), consts, flag
+
+    def lower_decode(self, slots: int, cache_len: int) -> jax.stages.Lowered:
+        """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
+        allocated or run (compile-time benchmarks)."""
+        state, consts, live = self._abstract(slots, cache_len)
+        return self._decode.lower(self.params, state, live, consts)
+
+    def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
+        """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
+        (_, lengths, *_), consts, _ = self._abstract(rows, prompt_len)
+        tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
+        return self._prefill.lower(self.params, tokens, lengths, consts)
+
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
         """Ends live rows at a chunk boundary ('abort' partials), later calls at once; resume()."""
