@@ -175,7 +175,6 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, "embed", config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config)
-        self.attention_impl = config.attention_impl
 
     def __call__(self, x_BTD, rope, attend):
         """The block's output and whatever `attend(q, k, v) -> (o_BTNH, extra)` returned."""
@@ -191,8 +190,8 @@ class Decoder(nnx.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix).
 
     `layers` is ONE DecoderLayer whose parameters carry a leading `layers` axis (slice i is
-    HF's `model.layers.{i}`); the forward passes run it under nnx.scan, so compile time does
-    not grow with depth.
+    HF's `model.layers.{i}`); the forward passes run it under jax.lax.scan (_scan_layers), so
+    compile time does not grow with depth.
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
