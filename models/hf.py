@@ -1,7 +1,8 @@
 """Hugging Face interop: safetensors tensors <-> parameter state, and load_hf / save_hf.
 
-Names map one to one: the nnx path `model.layers.0.self_attn.q_proj.kernel` is the HF tensor
-`model.layers.0.self_attn.q_proj.weight` transposed (torch Linear is (out, in), Flax (in, out));
+Names map one to one, except that the decoder layers are stacked: slice i of the nnx parameter
+`model.layers.self_attn.q_proj.kernel` [L, in, out] is the HF tensor
+`model.layers.{i}.self_attn.q_proj.weight` transposed (torch Linear is (out, in), Flax (in, out));
 `embedding` becomes `weight` as is; biases and norm weights keep their names. A tied model has no
 `lm_head.weight`.
 """
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,9 +52,12 @@ _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype("bfloat16")}
 # --- name map -------------------------------------------------------------------------------
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """(HF tensor name, whether it is transposed) for an nnx parameter path."""
+def hf_name(path: tuple, layer: int | None = None) -> tuple[str, bool]:
+    """(HF tensor name, whether it is transposed) of an nnx parameter path (of its slice
+    `layer` for a stacked decoder-layer parameter)."""
     *prefix, leaf = (str(p) for p in path)
+    if layer is not None:
+        prefix = [*prefix[:2], str(layer), *prefix[2:]]  # model.layers.{i}.rest
     stem = ".".join(prefix)
     if leaf == "kernel":
         return f"{stem}.weight", True
@@ -61,26 +66,35 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     return f"{stem}.{leaf}", False
 
 
+def _stacked(path: tuple) -> bool:
+    """Whether a parameter path is a decoder-layer parameter (leading `layers` axis)."""
+    return len(path) > 2 and str(path[0]) == "model" and str(path[1]) == "layers"
+
+
 @functools.lru_cache(maxsize=16)
-def _layout(config: ModelConfig) -> tuple[tuple[tuple, str, bool, tuple[int, ...]], ...]:
-    """(nnx path, HF name, transposed, HF shape) of every parameter, in HF file order."""
+def _layout(config: ModelConfig) -> tuple[tuple[tuple, int | None, str, bool, tuple], ...]:
+    """(nnx path, layer slice or None, HF name, transposed, HF shape) of every HF tensor, in HF
+    file order."""
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     rows = []
     for path, leaf in _flatten(abstract).items():
-        name, transposed = hf_name(path)
-        shape = tuple(leaf.shape[::-1]) if transposed else tuple(leaf.shape)
-        rows.append((path, name, transposed, shape))
-    return tuple(sorted(rows, key=lambda r: _order_key(r[0])))
+        shape = tuple(leaf.shape)
+        layers = range(shape[0]) if _stacked(path) else (None,)
+        if _stacked(path):
+            shape = shape[1:]
+        for layer in layers:
+            name, transposed = hf_name(path, layer)
+            rows.append((path, layer, name, transposed, shape[::-1] if transposed else shape))
+    return tuple(sorted(rows, key=_order_key))
 
 
-def _order_key(path: tuple) -> tuple:
+def _order_key(row: tuple) -> tuple:
     """embed_tokens, layers by number, norm, lm_head."""
-    parts = [str(p) for p in path]
+    parts, layer = [str(p) for p in row[0]], row[1]
     group = {"embed_tokens": 0, "layers": 1, "norm": 2}.get(parts[1], 3) if len(parts) > 1 else 3
     if parts[0] == "lm_head":
         group = 4
-    layer = int(parts[2]) if group == 1 else -1
-    return (group, layer, parts)
+    return (group, -1 if layer is None else layer, parts)
 
 
 def _flatten(tree: Any, prefix: tuple = ()) -> dict[tuple, Any]:
@@ -127,8 +141,10 @@ class LazyTensor:
 def hf_tensor_plan(
     config: ModelConfig, sources: Mapping[tuple, Any], *, dtype: str | None = None
 ) -> dict[str, LazyTensor]:
-    """HF-named LazyTensors (torch layout, file order) from {nnx path: source}, where a source is
-    an array or has `.shape`, `.dtype` and `.read()` (rl.checkpoint.ParamReader)."""
+    """HF-named LazyTensors (torch layout) from {nnx path: source}, where a source is an array
+    or has `.shape`, `.dtype` and `.read()` (rl.checkpoint.ParamReader). They come in order of
+    their source, a stacked parameter's layers together, so a streamed write reads each source
+    once and holds only the few it is writing from."""
     flat = {tuple(str(p) for p in k): v for k, v in sources.items()}
     if dtype is not None and dtype not in _NP_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not valid; use one of {sorted(_NP_DTYPES)}")
@@ -138,33 +154,88 @@ def hf_tensor_plan(
     missing = sorted(".".join(p) for p in expected - flat.keys())
     extra = sorted(".".join(p) for p in flat.keys() - expected)
     if missing or extra:
+        per_layer = [p for p in flat.keys() - expected if _stacked(p) and p[2].isdigit()]
+        hint = (
+            "; the decoder layers are one stacked parameter per name (model.layers.<name> "
+            "[L, ...]), not one per layer (model.layers.<i>.<name>): this state was written "
+            "before the layers were stacked"
+            if per_layer
+            else ""
+        )
         raise ValueError(
             f"parameter state does not match the config: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}"
+            f"unexpected {extra[:5]}{hint}"
         )
+    order = {}  # tensors in order of their source (each stacked source's layers together)
+    for row in layout:
+        order.setdefault(tuple(str(p) for p in row[0]), len(order))
+    rows = sorted(layout, key=lambda r: (order[tuple(str(p) for p in r[0])], r[1] or 0))
+    uses: dict[tuple, int] = {}
+    for row in rows:
+        key = tuple(str(p) for p in row[0])
+        uses[key] = uses.get(key, 0) + 1
+    shared = _SharedSources(flat, uses)
 
-    def make(source, name, transposed, shape, to):
-        value = source.read() if hasattr(source, "read") else np.asarray(jax.device_get(source))
+    def make(key, layer, name, transposed, shape, to):
+        value = shared.get(key)
+        value = value if layer is None else value[layer]
         if transposed:
             value = value.T
         if value.shape != shape:
             raise ValueError(f"{name}: shape {value.shape} does not match the config's {shape}")
-        return np.ascontiguousarray(value, dtype=to)
+        out = np.ascontiguousarray(value, dtype=to)
+        shared.done(key)
+        return out
 
     plan = {}
-    for path, name, transposed, shape in layout:
-        source = flat[tuple(str(p) for p in path)]
+    for path, layer, name, transposed, shape in rows:
+        key = tuple(str(p) for p in path)
+        source = flat[key]
         to = out_dtype if out_dtype is not None else np.dtype(source.dtype)
         plan[name] = LazyTensor(
-            shape, to, functools.partial(make, source, name, transposed, shape, to)
+            shape, to, functools.partial(make, key, layer, name, transposed, shape, to)
         )
     return plan
+
+
+class _SharedSources:
+    """Each source read once (a checkpoint reader's read(), or a copy off the devices), shared
+    by the tensors sliced from it, and let go once the last of them is made."""
+
+    def __init__(self, flat: Mapping[tuple, Any], uses: dict[tuple, int]):
+        self._flat, self._left = flat, dict(uses)
+        self._lock = threading.Lock()
+        self._values: dict[tuple, concurrent.futures.Future] = {}
+
+    def get(self, key: tuple) -> np.ndarray:
+        with self._lock:
+            future = self._values.get(key)
+            owner = future is None
+            if owner:
+                future = self._values[key] = concurrent.futures.Future()
+        if owner:
+            try:
+                source = self._flat[key]
+                if hasattr(source, "read"):
+                    future.set_result(source.read())
+                else:
+                    future.set_result(np.asarray(jax.device_get(source)))
+            except BaseException as e:
+                future.set_exception(e)
+        return future.result()
+
+    def done(self, key: tuple) -> None:
+        with self._lock:
+            self._left[key] -= 1
+            if self._left[key] == 0:
+                self._values.pop(key, None)
 
 
 def to_hf_tensors(
     config: ModelConfig, params_state: Any, *, dtype: str | None = None
 ) -> dict[str, np.ndarray]:
-    """HF-named host arrays (torch layout, file order) from a parameter state or its pure dict."""
+    """HF-named host arrays (torch layout, hf_tensor_plan's order) from a parameter state or
+    its pure dict."""
     plan = hf_tensor_plan(config, _flatten(params_state), dtype=dtype)
     return {name: t.make() for name, t in plan.items()}
 
@@ -172,7 +243,7 @@ def to_hf_tensors(
 def from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
     """The parameter state as a pure dict (nnx layout, config.param_dtype) from HF tensors."""
     layout = _layout(config)
-    known = {row[1] for row in layout}
+    known = {row[2] for row in layout}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
     extra = sorted(
         n
@@ -187,14 +258,16 @@ def from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> d
             f"unexpected {extra[:5]}"
         )
     dtype = _NP_DTYPES[config.param_dtype]
-    flat = {}
-    for path, name, transposed, shape in layout:
+    slices: dict[tuple, list] = {}
+    for path, _, name, transposed, shape in layout:
         value = np.asarray(tensors[name])
         if value.shape != shape:
             raise ValueError(f"HF tensor {name} has shape {value.shape}; the config needs {shape}")
-        flat[path] = np.ascontiguousarray(value.T if transposed else value).astype(
-            dtype, copy=False
-        )
+        slices.setdefault(path, []).append(value.T if transposed else value)
+    flat = {}
+    for path, values in slices.items():  # layout order: a stacked path's layers 0, 1, ...
+        value = np.stack(values) if _stacked(path) else values[0]
+        flat[path] = np.ascontiguousarray(value.astype(dtype, copy=False))
     return _unflatten(flat)
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from models.transformer import DecoderLayer, Transformer
+from models.transformer import Transformer
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -129,43 +129,22 @@ def state_shardings(config: ModelConfig, state: nnx.State, mesh: Mesh) -> nnx.St
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _jit_init(build, config: ModelConfig, mesh: Mesh | None):
-    """`key -> state of build(rngs)`, compiled once, each output created in its shards."""
-    _, abstract = nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
-
-    def init(key):
-        return nnx.state(build(nnx.Rngs(key)))
-
-    if mesh is None:
-        return jax.jit(init)
-    return jax.jit(init, out_shardings=state_shardings(config, abstract, mesh))
-
-
 def create_model(config: ModelConfig, mesh: Mesh | None = None, seed: int = 0) -> Transformer:
     """A freshly initialised Transformer, each parameter created directly in its shards.
 
-    One compiled program initialises a decoder layer and runs once per layer (compiling the
-    whole model's init unrolls every layer: minutes on GPU for 24 layers); the embedding, final
-    norm and LM head come from a one-layer model of the same config. Same seed, same values,
-    whatever the mesh.
+    One compiled program initialises the whole model (the decoder layers are one vmapped
+    layer, so it does not grow with depth). Same seed, same values, whatever the mesh.
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    root = jax.random.key(seed)
-    outer = config.replace(num_hidden_layers=1)
-    top = _jit_init(lambda rngs: Transformer(outer, rngs=rngs), config, mesh)(root)
-    init_layer = _jit_init(lambda rngs: DecoderLayer(config, rngs), config, mesh)
-    params = nnx.to_pure_dict(top)
-    params["model"]["layers"] = {
-        i: nnx.to_pure_dict(init_layer(jax.random.fold_in(root, i + 1)))
-        for i in range(config.num_hidden_layers)
-    }
-    nnx.replace_by_pure_dict(abstract, params)
-    return nnx.merge(graphdef, abstract)
+    build = lambda rngs: Transformer(config, rngs=rngs)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
+    out = None if mesh is None else state_shardings(config, abstract, mesh)
+    init = jax.jit(lambda key: nnx.state(build(nnx.Rngs(key))), out_shardings=out)
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
 
 
 def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding:
-    """The sharding of one KV-cache array [B, S, num_kv_heads, head_dim] on `mesh`."""
-    axes = ("batch", "length", "kv_heads", "head_dim")
+    """The sharding of a KV-cache array [L, B, S, num_kv_heads, head_dim] on `mesh`."""
+    axes = ("layers", "batch", "length", "kv_heads", "head_dim")
     sizes = dict(config_sizes(config), batch=batch)
     return NamedSharding(mesh, logical_to_spec(axes, mesh, sizes=sizes))
 

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.attention import attention
 from models.config import ModelConfig
 
 INIT_STD = 0.02  # HF initializer_range
+_LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}  # the stacked layers' logical axis (unsharded)
 
 
 _NORMAL = nnx.initializers.normal(INIT_STD)
@@ -173,7 +175,6 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, "embed", config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config)
-        self.attention_impl = config.attention_impl
 
     def __call__(self, x_BTD, rope, attend):
         """The block's output and whatever `attend(q, k, v) -> (o_BTNH, extra)` returned."""
@@ -186,7 +187,12 @@ class DecoderLayer(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+    """Embedding, decoder layers and final norm (HF's `model.` prefix).
+
+    `layers` is ONE DecoderLayer whose parameters carry a leading `layers` axis (slice i is
+    HF's `model.layers.{i}`); the forward passes run it under jax.lax.scan (_scan_layers), so
+    compile time does not grow with depth.
+    """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(
@@ -197,54 +203,92 @@ class Decoder(nnx.Module):
             embedding_init=_init(("vocab", "embed")),
             rngs=rngs,
         )
-        self.layers = nnx.List(
-            [DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)]
-        )
+
+        @nnx.split_rngs(splits=config.num_hidden_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_LAYERS_AXIS)
+        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(config, rngs)
+
+        self.layers = stacked(rngs)
         self.norm = RMSNorm(config.hidden_size, "embed", config)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer keys and values, each [B, S, num_kv_heads, head_dim]; slot s = position s."""
+    """Keys and values of every layer, each [L, B, S, num_kv_heads, head_dim]; slot s = position
+    s."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
 
     @property
     def max_len(self) -> int:
         """Number of slots S."""
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An all-zero KV cache for `batch` rows of up to `max_len` positions."""
-    shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+    shape = (
+        config.num_hidden_layers,
+        batch,
+        max_len,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     dtype = dtype or config.dtype
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
-    return KVCache(k=zeros(), v=zeros())
-
-
-def _causal_attention(q, k, v, mask_B1TS, implementation):
-    o = jax.nn.dot_product_attention(
-        q, k, v, mask=mask_B1TS, is_causal=True, implementation=implementation
-    )
-    return o, None
-
-
-def _forward_block(layer: DecoderLayer, x_BTD, rope, mask_B1TS):
-    attend = functools.partial(
-        _causal_attention, mask_B1TS=mask_B1TS, implementation=layer.attention_impl
-    )
-    return layer(x_BTD, rope, attend)[0]
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
 
-def _write_slot(cache_BSKH: jax.Array, new_B1KH: jax.Array, positions_B: jax.Array) -> jax.Array:
-    update = lambda c, x, p: jax.lax.dynamic_update_slice(c, x, (p, 0, 0))
-    return jax.vmap(update)(cache_BSKH, new_B1KH.astype(cache_BSKH.dtype), positions_B)
+def _scan_layers(layers: DecoderLayer, body, carry, xs=None, *, remat: str = "none"):
+    """`body(layer, carry, x) -> (carry, y)` over the stacked layers (x, y: leading L axis).
+
+    A jax.lax.scan over the layers' split state (each step merges its slice into a one-layer
+    module), so the model can be called inside other jax loops (nnx.scan refuses modules from
+    an outer trace). remat (none / full / dots_saveable) applies to each layer's step.
+    """
+    graphdef, state = nnx.split(layers)
+
+    def step(carry, scanned):
+        state_i, x = scanned
+        state_i = nnx.spmd.remove_axis(state_i, 0, _LAYERS_AXIS)  # metadata of one slice
+        return body(nnx.merge(graphdef, state_i), carry, x)
+
+    if remat != "none":
+        step = jax.checkpoint(step, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    if xs is None:  # nothing per layer: scan over the layer index
+        xs = jnp.arange(layers.input_layernorm.weight.shape[0])
+    return jax.lax.scan(step, carry, (state, xs))
+
+
+def _write_slot(cache_LBSKH, new_B1KH, layer, positions_B) -> jax.Array:
+    """The cache with layer `layer`'s slot positions_B[b] of row b set to new_B1KH[b].
+
+    One scatter with the rows as its batching dimension: written in place in the layout it has
+    (a vmapped update moves the rows to the front: whole-cache transposes in every layer).
+    """
+    B = positions_B.shape[0]
+    index_B2 = jnp.stack([jnp.full((B,), layer, jnp.int32), positions_B.astype(jnp.int32)], 1)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2),  # updates [B, K, H]: K and H are the window
+        inserted_window_dims=(0, 2),  # one layer, one slot
+        scatter_dims_to_operand_dims=(0, 2),
+        operand_batching_dims=(1,),
+        scatter_indices_batching_dims=(0,),
+    )
+    return jax.lax.scatter(
+        cache_LBSKH,
+        index_B2,
+        new_B1KH[:, 0].astype(cache_LBSKH.dtype),
+        dims,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
 
 
 def _precise(method):
@@ -305,16 +349,17 @@ class Transformer(nnx.Module):
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        mask_B1TS = None
-        if segment_ids is not None:
-            mask_B1TS = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
         rope = rotary(self.config, positions)
-        block = _forward_block
-        if self.config.remat != "none":
-            block = nnx.remat(block, policy=_REMAT_POLICIES[self.config.remat])
+        impl = self.config.attention_impl
+
+        def attend(q, k, v):
+            return attention(q, k, v, segment_ids=segment_ids, implementation=impl), None
+
+        def body(layer: DecoderLayer, x_BTD, _):
+            return layer(x_BTD, rope, attend)[0], None
+
         x_BTD = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x_BTD = block(layer, x_BTD, rope, mask_B1TS)
+        x_BTD, _ = _scan_layers(self.model.layers, body, x_BTD, remat=self.config.remat)
         return self.model.norm(x_BTD)
 
     @_precise
@@ -327,7 +372,8 @@ class Transformer(nnx.Module):
         self, tokens, lengths, cache: KVCache, *, last_only: bool = False
     ) -> tuple[jax.Array, KVCache]:
         """Logits[B, T, V] of right-padded prompts tokens[B, T] with lengths[B] real tokens,
-        and the cache with slots [0, lengths[b]) of row b written (the rest zeroed).
+        and the cache with slots [0, T) written: row b's first lengths[b] hold its keys and
+        values, the rest zeros.
 
         last_only: return only each row's last-token logits [B, V] (what sampling needs).
         """
@@ -340,17 +386,18 @@ class Transformer(nnx.Module):
         impl = self.config.attention_impl
 
         def attend(q, k, v):
-            return _causal_attention(q, k, v, None, impl)[0], (k, v)
+            o = attention(q, k, v, segment_ids=None, implementation=impl)
+            keep = lambda a, c: jnp.where(valid_BT11, a, 0).astype(c.dtype)
+            return o, (keep(k, cache.k), keep(v, cache.v))
+
+        def body(layer: DecoderLayer, x_BTD, _):
+            return layer(x_BTD, rope, attend)
 
         x_BTD = self.model.embed_tokens(tokens)
-        ks, vs = [], []
-        for i, layer in enumerate(self.model.layers):
-            x_BTD, (k, v) = layer(x_BTD, rope, attend)
-            for new, old, out in ((k, cache.k[i], ks), (v, cache.v[i], vs)):
-                new = jnp.where(valid_BT11, new, 0).astype(old.dtype)
-                out.append(jax.lax.dynamic_update_slice(old, new, (0, 0, 0, 0)))
+        x_BTD, (k_LBTKH, v_LBTKH) = _scan_layers(self.model.layers, body, x_BTD)
         h_BTD = self.model.norm(x_BTD)
-        cache = KVCache(k=tuple(ks), v=tuple(vs))
+        write = lambda c, new: jax.lax.dynamic_update_slice(c, new, (0,) * c.ndim)
+        cache = KVCache(k=write(cache.k, k_LBTKH), v=write(cache.v, v_LBTKH))
         if last_only:
             h_B1D = jnp.take_along_axis(h_BTD, (lengths - 1)[:, None, None], axis=1)
             return self._logits(h_B1D)[:, 0], cache
@@ -365,24 +412,28 @@ class Transformer(nnx.Module):
         S = cache.max_len
         rope = rotary(self.config, positions[:, None])
         mask_B11S = (jnp.arange(S)[None, :] <= positions[:, None])[:, None, None, :]
-        x_B1D = self.model.embed_tokens(tokens[:, None])
-        ks, vs = [], []
-        for i, layer in enumerate(self.model.layers):
 
-            def attend(q, k, v, i=i):
-                k_BSKH = _write_slot(cache.k[i], k, positions)
-                v_BSKH = _write_slot(cache.v[i], v, positions)
+        def body(layer: DecoderLayer, carry, i):
+            x_B1D, k_LBSKH, v_LBSKH = carry
+
+            def attend(q, k, v):
+                # Only the new slots are written, in place in the carried cache; layer i's
+                # slice is then read whole for the attention.
+                ks = _write_slot(k_LBSKH, k, i, positions)
+                vs = _write_slot(v_LBSKH, v, i, positions)
                 o = jax.nn.dot_product_attention(  # one query row: plain XLA attention
                     q,
-                    k_BSKH.astype(q.dtype),
-                    v_BSKH.astype(q.dtype),
+                    ks[i].astype(q.dtype),
+                    vs[i].astype(q.dtype),
                     mask=mask_B11S,
                     implementation="xla",
                 )
-                return o, (k_BSKH, v_BSKH)
+                return o, (ks, vs)
 
-            x_B1D, (k, v) = layer(x_B1D, rope, attend)
-            ks.append(k)
-            vs.append(v)
+            x_B1D, (k_LBSKH, v_LBSKH) = layer(x_B1D, rope, attend)
+            return (x_B1D, k_LBSKH, v_LBSKH), None
+
+        x_B1D = self.model.embed_tokens(tokens[:, None])
+        (x_B1D, k, v), _ = _scan_layers(self.model.layers, body, (x_B1D, cache.k, cache.v))
         logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
-        return logits_BV, KVCache(k=tuple(ks), v=tuple(vs))
+        return logits_BV, KVCache(k=k, v=v)

@@ -274,6 +274,13 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # noqa: BLE001 - any unreadable item makes the step invalid
+            if self._per_layer(step, target[0]):
+                raise ValueError(
+                    f"checkpoint {self.step_dir(step)} holds one parameter per decoder layer "
+                    f"(model.layers.<i>.*), written before the layers were stacked; this model "
+                    f"stacks them (model.layers.* with a leading layers axis), so it does not "
+                    f"restore here: export it to HF with the code that wrote it, then import it"
+                ) from e
             if self._misfits(step):  # not corrupt: no checkpoint here fits this learner
                 raise ValueError(self._misfit(step, e)) from e
             raise Invalid(f"unreadable: {type(e).__name__}: {str(e)[:300]}") from e
@@ -301,6 +308,16 @@ class Checkpointer:
             raise Invalid(
                 f"its {key.split('_')[0]} file {path} is unreadable: {type(e).__name__}: {e}"
             ) from e
+
+    def _per_layer(self, step: int, target_params) -> bool:
+        """Whether `step` holds per-layer decoder params (model.layers.<i>) the target stacks."""
+        try:
+            saved = self.manager.item_metadata(step)["params"]["model"]["layers"]
+            wanted = target_params["model"]["layers"]
+        except Exception:  # noqa: BLE001 - no such params tree: not this misfit
+            return False
+        digits = lambda tree: bool(tree) and all(str(k).isdigit() for k in tree)
+        return digits(saved) and not digits(wanted)
 
     def _misfits(self, step: int) -> bool:
         """Whether `step` was written by a learner of another layout (hosts, devices)."""

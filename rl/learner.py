@@ -405,6 +405,10 @@ class Learner:
         metrics["timing/train_step"] = time.perf_counter() - t0
         return metrics
 
+    def lower_update(self, batch: TrainBatch | dict) -> jax.stages.Lowered:
+        """The update step lowered for `batch`'s shapes, not run (compile-time benchmarks)."""
+        return self._train.lower(self.state, self._device_batch(batch))
+
     def set_step_cfg(self, cfg: StepConfig) -> None:
         """Switches the compiled step (e.g. from the supervised stage to RL)."""
         self.step_cfg = cfg

@@ -41,6 +41,19 @@ def test_learner_result_line(capsys):
     assert "32 of 64 tokens trained" in out  # half of each row
 
 
+def test_learner_compile_only(capsys):
+    """--compile-only lowers and compiles the update step, decode chunk and prefill, runs none."""
+    argv = "learner --preset tiny --batch 2 --seq 32 --compile-only --decode-chunk 2"
+    assert bench.main(argv.split()) == 0
+    out = capsys.readouterr().out
+    result = _parse_result(out)
+    parts = ("lower", "compile", "lower_cpu", "compile_cpu")
+    names = [f"{p}_{s}_s" for p in ("learner", "decode", "prefill") for s in parts]
+    assert sorted(result) == sorted(names)
+    _positive_finite(result, *names)
+    assert "warmup step" not in out and "tokens/s" not in out  # nothing was run
+
+
 def test_sampler_result_line_from_the_command_line():
     """The public surface: `python -m launch.bench sampler ...` in a fresh process."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")

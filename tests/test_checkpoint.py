@@ -211,6 +211,26 @@ def test_no_valid_checkpoint_is_an_error_naming_each(tmp_path):
     assert f"{directory}/1: not committed" in str(err.value)
 
 
+def test_per_layer_checkpoint_into_stacked_layers_is_a_clear_error(tmp_path):
+    """A checkpoint from before the decoder layers were stacked (model.layers.<i>.*) names
+    that, rather than failing on the tree or a shape."""
+
+    def state(layers: dict) -> nnx.State:
+        return nnx.State({0: {"model": {"layers": layers}}, 1: {"m": nnx.Variable(jnp.ones(2))}})
+
+    per_layer = state({str(i): {"w": nnx.Param(jnp.full(3, i + 1.0))} for i in range(2)})
+    stacked = state({"w": nnx.Param(jnp.zeros((2, 3)))})
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    try:
+        ckpt.save(1, per_layer, {"version": 1})
+        with pytest.raises(ValueError, match="before the layers were stacked"):
+            ckpt.restore(stacked)
+        _, meta, _ = ckpt.restore(per_layer)  # the layout it was written with still restores
+    finally:
+        ckpt.close()
+    assert meta["version"] == 1
+
+
 def enospc(*_, **__):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

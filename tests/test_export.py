@@ -123,16 +123,27 @@ def test_hf_to_orbax_resumes_training(run_dir, hf_dir, tmp_path):
                 flat[prefix + k] = np.asarray(v)
 
     walk(state, "")
-    assert len(flat) == len(hf)
-    for name, value in flat.items():
+
+    def hf_tensor(name: str) -> np.ndarray:  # name: an nnx path of one layer (or none)
         stem, leaf = name.rsplit(".", 1)
         if leaf == "kernel":  # torch Linear weights are (out, in)
-            ref = hf[f"{stem}.weight"].T
-        elif leaf == "embedding":
-            ref = hf[f"{stem}.weight"]
+            return hf[f"{stem}.weight"].T
+        if leaf == "embedding":
+            return hf[f"{stem}.weight"]
+        return hf[name]
+
+    compared = 0
+    for name, value in flat.items():
+        if name.startswith("model.layers."):  # stacked: slice i is HF's model.layers.{i}
+            rest = name[len("model.layers.") :]
+            for i, layer in enumerate(value):
+                ref = hf_tensor(f"model.layers.{i}.{rest}")
+                np.testing.assert_array_equal(layer, ref, err_msg=f"{name}[{i}]")
+                compared += 1
         else:
-            ref = hf[name]
-        np.testing.assert_array_equal(value, ref, err_msg=name)
+            np.testing.assert_array_equal(value, hf_tensor(name), err_msg=name)
+            compared += 1
+    assert compared == len(hf)  # every HF tensor, once
     opt = ocp.CheckpointManager(os.path.abspath(ckpt)).restore(
         0, args=ocp.args.Composite(optimizer=ocp.args.StandardRestore())
     )["optimizer"]

@@ -248,10 +248,10 @@ def test_sharded_step_equals_single_device(model_state):
         want = (ref_met[0][k] + ref_met[1][k]) / 2  # update() averages its minibatches
         assert abs(met[k] - want) < 1e-5 * max(1.0, abs(want)), (k, met[k], want)
     # parameters really are split over the four devices
-    q = sharded.params()["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    q = sharded.params()["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]  # [L, D, N*H]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert len({s.device for s in q.addressable_shards}) == 4
-    assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
+    assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // 2, q.shape[2] // 2)
 
 
 def test_adam_state_sharded_and_old_state_donated(model_state):

@@ -37,7 +37,7 @@ def test_prefill_then_decode_matches_full_forward(name):
     cache = init_cache(config, B, S)
     logits, cache = prefill(model, jnp.asarray(prompts), jnp.asarray(lengths), cache)
     assert logits.dtype == jnp.float32 and logits.shape == (B, T_prompt, config.vocab_size)
-    logits, k0 = np.asarray(logits), np.asarray(cache.k[0])
+    logits, k0 = np.asarray(logits), np.asarray(cache.k[0])  # layer 0: [B, S, K, H]
     for b, n in enumerate(lengths):
         assert np.abs(logits[b, :n] - ref[b, :n]).max() < 1e-5
         # Slots past the prompt hold nothing; slots inside it hold real keys.
@@ -51,8 +51,9 @@ def test_prefill_then_decode_matches_full_forward(name):
         want = ref[np.arange(B), lengths + step]
         assert np.abs(np.asarray(logits_BV) - want).max() < 1e-5, step
         positions = positions + 1
-    assert isinstance(cache, KVCache) and len(cache.k) == config.num_hidden_layers
-    assert cache.k[0].shape == (B, S, config.num_key_value_heads, config.head_dim)
+    assert isinstance(cache, KVCache) and cache.max_len == S
+    L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    assert cache.k.shape == cache.v.shape == (L, B, S, K, H)
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +72,51 @@ def test_decode_is_one_compiled_program_and_cache_is_a_pytree(tiny_model):
         return nnx.merge(graphdef, state).decode(tokens, positions, cache)
 
     cache = init_cache(config, 2, 8, dtype=jnp.float32)
-    assert len(jax.tree.leaves(cache)) == 2 * config.num_hidden_layers
+    assert len(jax.tree.leaves(cache)) == 2  # k and v, every layer stacked
     for t in range(4):
         positions = jnp.array([t, t + 2])  # rows at different positions in one call
         _, cache = step(state, jnp.array([3, 4]), positions, cache)
     assert len(traces) == 1
-    # Row 0 wrote slots 0..3, row 1 wrote slots 2..5; nothing else.
-    written = np.abs(np.asarray(cache.v[1])).sum(axis=(2, 3)) > 0
-    assert written.tolist() == [
+    # Row 0 wrote slots 0..3, row 1 wrote slots 2..5, in every layer; nothing else.
+    want = [
         [True, True, True, True, False, False, False, False],
         [False, False, True, True, True, True, False, False],
     ]
+    for layer in range(config.num_hidden_layers):
+        written = np.abs(np.asarray(cache.v[layer])).sum(axis=(2, 3)) > 0
+        assert written.tolist() == want, layer
 
 
 def test_prefill_longer_than_cache_is_an_error(tiny_model):
     config, model = tiny_model.config, tiny_model
     with pytest.raises(ValueError, match="max_len=4"):
         model.prefill(jnp.zeros((1, 6), jnp.int32), jnp.array([6]), init_cache(config, 1, 4))
+
+
+def test_decode_writes_the_stacked_cache_in_place(tiny_model):
+    """Decode steps in a loop compile to in-place slot writes: no instruction copies or
+    transposes a whole [L, B, S, K, H] cache array (a per-row vmapped write did, every layer)."""
+    config, model = tiny_model.config, tiny_model
+    graphdef, state = nnx.split(model)
+    B, S = 4, 64
+
+    def steps(state, cache, positions):
+        m = nnx.merge(graphdef, state)
+
+        def one(i, c):
+            return m.decode(jnp.arange(B), positions + i, c)[1]
+
+        return jax.lax.fori_loop(0, 3, one, cache)
+
+    cache = init_cache(config, B, S, dtype=jnp.float32)
+    hlo = jax.jit(steps, donate_argnums=(1,)).lower(state, cache, jnp.zeros(B, jnp.int32))
+    text = hlo.compile().as_text()
+    L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    whole = f"f32[{L},{B},{S},{K},{H}]"
+    assert "scatter(" in text
+    moved = [
+        line.strip()
+        for line in text.splitlines()
+        if f"= {whole}" in line and (" copy(" in line or " transpose(" in line)
+    ]
+    assert not moved, moved[:3]

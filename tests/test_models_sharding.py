@@ -58,14 +58,15 @@ def test_create_model_places_parameters_in_shards():
     config = tiny()
     mesh = make_mesh(fsdp=2, tensor=2)
     model = create_model(config, mesh, seed=0)
-    layer = model.model.layers[0]
-    assert _spec(layer.mlp.gate_proj.kernel) == P("fsdp", "tensor")
-    assert _shard_shape(layer.mlp.gate_proj.kernel) == (64, 256)
-    assert _spec(layer.mlp.down_proj.kernel) == P("tensor", "fsdp")
-    assert _spec(layer.self_attn.q_proj.kernel) == P("fsdp", "tensor")
-    assert _spec(layer.self_attn.k_proj.kernel) == P("fsdp", "tensor")  # 2 kv heads / 2
-    assert _shard_shape(layer.self_attn.k_proj.kernel) == (64, 32)
-    assert _spec(layer.self_attn.q_proj.bias) == P("tensor")
+    layers = model.model.layers  # stacked: a leading, unsharded axis of 2 layers
+    assert _spec(layers.mlp.gate_proj.kernel) == P(None, "fsdp", "tensor")
+    assert _shard_shape(layers.mlp.gate_proj.kernel) == (2, 64, 256)
+    assert _spec(layers.mlp.down_proj.kernel) == P(None, "tensor", "fsdp")
+    assert _spec(layers.self_attn.q_proj.kernel) == P(None, "fsdp", "tensor")
+    assert _spec(layers.self_attn.k_proj.kernel) == P(None, "fsdp", "tensor")  # 2 kv heads / 2
+    assert _shard_shape(layers.self_attn.k_proj.kernel) == (2, 64, 32)
+    assert _spec(layers.self_attn.q_proj.bias) == P(None, "tensor")
+    assert _spec(layers.input_layernorm.weight) == P(None, "fsdp")
     assert _spec(model.model.embed_tokens.embedding) == P("tensor", "fsdp")
     assert _shard_shape(model.model.embed_tokens.embedding) == (64, 64)
     assert _spec(model.lm_head.kernel) == P("fsdp", "tensor")
@@ -81,12 +82,12 @@ def test_create_model_places_parameters_in_shards():
 def test_kv_heads_not_divisible_by_tensor_are_replicated():
     config = tiny()  # 4 heads, 2 kv heads
     model = create_model(config, make_mesh(tensor=4), seed=0)
-    attn = model.model.layers[0].self_attn
-    assert _spec(attn.q_proj.kernel) == P(None, "tensor")  # one head per device
-    assert _shard_shape(attn.q_proj.kernel) == (128, 32)
+    attn = model.model.layers.self_attn
+    assert _spec(attn.q_proj.kernel) == P(None, None, "tensor")  # one head per device
+    assert _shard_shape(attn.q_proj.kernel) == (2, 128, 32)
     # k_proj's flat dim (64) divides by 4, but 2 kv heads do not: replicated, never split a head.
-    assert _spec(attn.k_proj.kernel) == P(None, None)
-    assert _spec(attn.k_proj.bias) == P(None)
+    assert _spec(attn.k_proj.kernel) == P(None, None, None)
+    assert _spec(attn.k_proj.bias) == P(None, None)
 
 
 def test_forward_on_one_device_equals_four_device_mesh():
@@ -94,7 +95,7 @@ def test_forward_on_one_device_equals_four_device_mesh():
     one = randomize(create_model(config, make_mesh(devices=jax.devices()[:1]), seed=0))
     mesh = make_mesh(fsdp=2, tensor=2)
     four = shard_model(one, mesh)
-    assert _spec(four.model.layers[1].mlp.up_proj.kernel) == P("fsdp", "tensor")
+    assert _spec(four.model.layers.mlp.up_proj.kernel) == P(None, "fsdp", "tensor")
     tokens = np.random.RandomState(0).randint(0, config.vocab_size, (4, 12))
     forward = nnx.jit(lambda m, t: m(t))
     ref = np.asarray(forward(one, jnp.asarray(tokens)))
@@ -115,7 +116,7 @@ def test_load_hf_onto_a_mesh_and_save_from_it(tmp_path):
     mesh = make_mesh(fsdp=2, tensor=2)
     four = load_hf(str(tmp_path / "one"), mesh=mesh)
     assert four.config == config
-    assert _spec(four.model.layers[0].mlp.gate_proj.kernel) == P("fsdp", "tensor")
+    assert _spec(four.model.layers.mlp.gate_proj.kernel) == P(None, "fsdp", "tensor")
     assert _spec(four.model.embed_tokens.embedding) == P("tensor", "fsdp")
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (2, 6)))
     forward = nnx.jit(lambda m, t: m(t))
@@ -130,6 +131,7 @@ def test_load_hf_onto_a_mesh_and_save_from_it(tmp_path):
 def test_cache_sharding_splits_batch_and_kv_heads():
     config = tiny()  # 2 kv heads
     mesh = make_mesh(fsdp=2, tensor=2)
-    assert cache_sharding(config, mesh, batch=4).spec == P("fsdp", None, "tensor", None)
-    assert cache_sharding(config, mesh, batch=3).spec == P(None, None, "tensor", None)
-    assert cache_sharding(config, make_mesh(tensor=4), batch=4).spec == P(None, None, None, None)
+    assert cache_sharding(config, mesh, batch=4).spec == P(None, "fsdp", None, "tensor", None)
+    assert cache_sharding(config, mesh, batch=3).spec == P(None, None, None, "tensor", None)
+    four = cache_sharding(config, make_mesh(tensor=4), batch=4)
+    assert four.spec == P(None, None, None, None, None)

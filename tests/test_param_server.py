@@ -226,3 +226,34 @@ def test_retention_keeps_newest_and_served_and_a_failing_engine_is_reported(tmp_
         "v000004",
         "v000005",
     ]
+
+
+def test_checkpoint_publication_reads_each_stacked_parameter_once(trained):
+    """Streaming from a checkpoint reads every parameter once, however many layer tensors it
+    is sliced into, and gives the tensors of the plain conversion."""
+    from models.hf import hf_tensor_plan, to_hf_tensors
+    from rl.checkpoint import open_params
+
+    readers = open_params(trained["ckpt_dir"])
+    reads = {}
+
+    def counted(read, key):
+        def read_counted():
+            reads[key] = reads.get(key, 0) + 1
+            return read()
+
+        return read_counted
+
+    for key, r in readers.items():
+        r.read = counted(r.read, key)
+    plan = hf_tensor_plan(CONFIG, readers)
+    got = {name: t.make() for name, t in plan.items()}
+    assert reads == {key: 1 for key in readers}
+    stacked = [k for k in readers if k[:2] == ("model", "layers")]
+    assert stacked and all(len(readers[k].shape) >= 2 for k in stacked)
+    plain = to_hf_tensors(CONFIG, trained["params"])
+    assert sorted(got) == sorted(plain)
+    assert all(np.array_equal(got[k], plain[k]) and got[k].dtype == plain[k].dtype for k in plain)
+    up = plain["model.layers.1.mlp.up_proj.weight"]
+    kernel = trained["params"]["model"]["layers"]["mlp"]["up_proj"]["kernel"]
+    assert np.array_equal(up, np.asarray(kernel[1]).T)

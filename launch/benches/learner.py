@@ -141,6 +141,8 @@ def bench_learner(args) -> dict:
     batch = synthetic_batch(cfg.vocab_size, B, T, seed=args.seed)
     if args.segments == "none":  # rows are unpacked: drop the segment mask
         batch = {k: v for k, v in batch.arrays().items() if k != "segment_ids"}
+    if args.compile_only:
+        return _compile_times(learner, batch, args)
     times = []
     for i in range(total):
         t0 = time.perf_counter()
@@ -186,6 +188,39 @@ def bench_learner(args) -> dict:
         hfu=hfu,
         model_tflops=flops_s / 1e12,
     )
+
+
+def _compile(name: str, lower) -> dict:
+    """Seconds to lower (`lower()`) and to compile a program, nothing run: wall and this
+    process's CPU time (steadier than wall on a shared machine); printed."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    lowered = lower()
+    w1, c1 = time.perf_counter(), time.process_time()
+    lowered.compile()
+    w2, c2 = time.perf_counter(), time.process_time()
+    print(
+        f"{name}: lower {w1 - w0:.2f} s, compile {w2 - w1:.2f} s, total {w2 - w0:.2f} s "
+        f"(CPU time: lower {c1 - c0:.2f} s, compile {c2 - c1:.2f} s)"
+    )
+    return dict(lower_s=w1 - w0, compile_s=w2 - w1, lower_cpu_s=c1 - c0, compile_cpu_s=c2 - c1)
+
+
+def _compile_times(learner, batch, args) -> dict:
+    """Lowers and compiles, without running them, the learner's update step and the JAX
+    sampler's decode chunk and prefill (--batch rows, a cache of --seq positions)."""
+    from rl.rollout import jax_engine as je
+
+    out = {}
+    add = lambda prefix, times: out.update({f"{prefix}_{k}": v for k, v in times.items()})
+    add("learner", _compile("learner update", lambda: learner.lower_update(batch)))
+    engine = je.JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
+    try:
+        C, S = engine.max_batch, je.length_bucket(args.seq, je.LEN_BUCKETS)
+        add("decode", _compile("sampler decode chunk", lambda: engine.lower_decode(C, S)))
+        add("prefill", _compile("sampler prefill", lambda: engine.lower_prefill(C, S)))
+    finally:
+        engine.close()
+    return out
 
 
 def _checkpoint_times(learner, batch) -> dict:
@@ -308,6 +343,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint", action="store_true", help="also time a sync and an async checkpoint"
     )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only lower and compile the update step and the sampler's decode chunk and prefill",
+    )
+    p.add_argument(
+        "--decode-chunk", type=int, default=16, help="decode steps per chunk (--compile-only)"
+    )
     return p
 
 
@@ -315,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the learner benchmark and prints its RESULT line last."""
     args = _parser().parse_args(argv)
     if reject_nonpositive(
-        args, ("batch", "seq", "steps", "warmup", "devices", "hosts"), zero_ok=("warmup",)
+        args,
+        ("batch", "seq", "steps", "warmup", "devices", "hosts", "decode_chunk"),
+        zero_ok=("warmup",),
     ):
         return 2
     print_result(bench_learner(args))

@@ -238,6 +238,9 @@ class JaxEngine:
         mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
         self.replicated = NamedSharding(mesh, PartitionSpec())  # params
         self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
+        cache_rows = NamedSharding(mesh, PartitionSpec(None, "rows"))  # the cache's [L, C, ...]
+        self.cache_rows = KVCache(k=cache_rows, v=cache_rows)
+        self.state_rows = (self.cache_rows,) + (self.rows,) * 4  # (cache, tok, pos, n, done)
         self.params = self._own(params)
         self.version = version
         self.chunk = chunk
@@ -271,10 +274,13 @@ class JaxEngine:
         self.slot_steps = 0  # rows computed by decode steps (slots x steps)
         self.useful_steps = 0  # of those, rows that produced a token
         rows = self.rows
-        self._prefill = jax.jit(self._prefill_impl, out_shardings=(rows,) * 4)
-        self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=rows)
-        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2,), out_shardings=rows)
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), out_shardings=rows)
+        state = self.state_rows
+        self._prefill = jax.jit(self._prefill_impl, out_shardings=(rows,) * 3 + (self.cache_rows,))
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
+        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2,), out_shardings=state)
+        self._decode = jax.jit(
+            self._decode_impl, donate_argnums=(1,), out_shardings=(state,) + (rows,) * 3
+        )
         self.pid = os.getpid()
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
         self.clock = BusyClock()
@@ -362,10 +368,8 @@ class JaxEngine:
         """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
         cache, tok, pos, n, done = state
         T = cache_b.max_len
-        put = lambda c, x: c.at[idx_b, :T].set(x.astype(c.dtype), mode="drop")
-        cache = KVCache(
-            k=tuple(map(put, cache.k, cache_b.k)), v=tuple(map(put, cache.v, cache_b.v))
-        )
+        put = lambda c, x: c.at[:, idx_b, :T].set(x.astype(c.dtype), mode="drop")
+        cache = KVCache(k=put(cache.k, cache_b.k), v=put(cache.v, cache_b.v))
         at = lambda a, x: a.at[idx_b].set(x, mode="drop")
         return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b)
 
@@ -374,15 +378,15 @@ class JaxEngine:
         """State rows idx_C (-1: an empty, finished row), the cache resized to S positions."""
         cache, tok, pos, n, done = state
         ok = idx_C >= 0
-        rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
+        rows = lambda a, axis=0: jnp.take(a, jnp.maximum(idx_C, 0), axis=axis)
 
-        def resize(c):
-            c = rows(c)
-            if S <= c.shape[1]:
-                return c[:, :S]
-            return jnp.pad(c, ((0, 0), (0, S - c.shape[1])) + ((0, 0),) * (c.ndim - 2))
+        def resize(c):  # [L, C, S, K, H]: rows on axis 1, slots on axis 2
+            c = rows(c, axis=1)
+            if S <= c.shape[2]:
+                return c[:, :, :S]
+            return jnp.pad(c, ((0, 0), (0, 0), (0, S - c.shape[2])) + ((0, 0),) * (c.ndim - 3))
 
-        cache = KVCache(k=tuple(map(resize, cache.k)), v=tuple(map(resize, cache.v)))
+        cache = KVCache(k=resize(cache.k), v=resize(cache.v))
         return cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok
 
     def _decode_impl(self, params, state, live_C, consts):
@@ -412,6 +416,32 @@ class JaxEngine:
         carry = (cache, tok, pos, n, done | ~live_C, toks, lps)
         cache, tok, pos, n, done, toks, lps = jax.lax.fori_loop(0, self.chunk, one, carry)
         return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8)
+
+    def _abstract(self, C: int, S: int):
+        """Shapes and shardings of (state, consts, live) for C slots and a cache of S slots."""
+        arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        kv = jax.eval_shape(lambda: init_cache(self.config, C, S))
+        cache = KVCache(
+            k=arg(kv.k.shape, kv.k.dtype, self.cache_rows.k),
+            v=arg(kv.v.shape, kv.v.dtype, self.cache_rows.v),
+        )
+        i32 = arg((C,), jnp.int32, self.rows)
+        flag = arg((C,), jnp.bool_, self.rows)
+        empty = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
+        consts = tuple(arg(a.shape, a.dtype, self.rows) for a in empty)
+        return (cache, i32, i32, i32, flag), consts, flag
+
+    def lower_decode(self, slots: int, cache_len: int) -> jax.stages.Lowered:
+        """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
+        allocated or run (compile-time benchmarks)."""
+        state, consts, live = self._abstract(slots, cache_len)
+        return self._decode.lower(self.params, state, live, consts)
+
+    def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
+        """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
+        (_, lengths, *_), consts, _ = self._abstract(rows, prompt_len)
+        tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
+        return self._prefill.lower(self.params, tokens, lengths, consts)
 
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
@@ -596,7 +626,7 @@ class JaxEngine:
             cache = init_cache(self.config, C, LEN_BUCKETS[0])
             zeros = np.zeros(C, np.int32)
             state = (cache, zeros, zeros, zeros, np.ones(C, bool))
-            self._state = jax.device_put(state, self.rows)
+            self._state = jax.device_put(state, self.state_rows)
             return
         if C < len(self._slots):
             self._flush()  # records name slots by index
