@@ -340,11 +340,14 @@ class Transformer(nnx.Module):
         )
 
     @_precise
-    def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+    def hidden_states(
+        self, tokens, positions=None, segment_ids=None, segment_lengths=None
+    ) -> jax.Array:
         """Final-norm hidden states h[B, T, D] (compute dtype) of tokens[B, T].
 
         positions[B, T] default to arange(T) in every row; segment_ids[B, T] (packed sequences,
-        0 = padding) restrict attention to tokens of the same segment.
+        0 = padding) restrict attention to tokens of the same segment; segment_lengths[B, M]
+        (models.attention.segment_lengths of them) let cuDNN take them without a mask.
         """
         B, T = tokens.shape
         if positions is None:
@@ -353,7 +356,15 @@ class Transformer(nnx.Module):
         impl = self.config.attention_impl
 
         def attend(q, k, v):
-            return attention(q, k, v, segment_ids=segment_ids, implementation=impl), None
+            o = attention(
+                q,
+                k,
+                v,
+                segment_ids=segment_ids,
+                implementation=impl,
+                segment_lengths=segment_lengths,
+            )
+            return o, None
 
         def body(layer: DecoderLayer, x_BTD, _):
             return layer(x_BTD, rope, attend)[0], None
@@ -363,9 +374,9 @@ class Transformer(nnx.Module):
         return self.model.norm(x_BTD)
 
     @_precise
-    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+    def __call__(self, tokens, positions=None, segment_ids=None, segment_lengths=None) -> jax.Array:
         """Logits[B, T, V] in float32 of tokens[B, T] (arguments as in hidden_states)."""
-        return self._logits(self.hidden_states(tokens, positions, segment_ids))
+        return self._logits(self.hidden_states(tokens, positions, segment_ids, segment_lengths))
 
     @_precise
     def prefill(

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from models import sharding as msh
+from models.attention import segment_lengths
 from rl import distributed
 from rl.algorithms import losses as L
 from rl.logprobs import token_logprobs
@@ -187,7 +188,9 @@ def policy_logprobs(model, b: dict, cfg: StepConfig):
     """(log p(target), entropy) [B, T] of a batch under `model` at the step's temperature, in
     the model's matmul precision."""
     with jax.default_matmul_precision(model.config.precision):
-        h = model.hidden_states(b["inputs"], b["positions"], b.get("segment_ids"))
+        h = model.hidden_states(
+            b["inputs"], b["positions"], b.get("segment_ids"), b.get("segment_lengths")
+        )
         return token_logprobs(
             h, model.lm_head_kernel(), b["targets"], cfg.temperature, cfg.logprob_chunk
         )
@@ -226,6 +229,7 @@ class Learner:
         self.version = version
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self.graphdef, state = nnx.split((model, optimizer))
+        self._native_segments = model.config.attention_impl == "cudnn"
         # Optimizer moments are zeros_like(param) and keep its sharding; scalars (step counts)
         # and anything left on a single device are replicated over the mesh.
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -359,6 +363,8 @@ class Learner:
         global shape is the local one, so no host needs to know the others' slices."""
         arrays = batch.arrays() if isinstance(batch, TrainBatch) else dict(batch)
         arrays.pop("versions", None)
+        if self._native_segments and "segment_ids" in arrays:  # cuDNN: segments, no mask
+            arrays["segment_lengths"] = segment_lengths(arrays["segment_ids"])
         sharding = _batch_sharding(self.mesh)
         return {
             k: jax.make_array_from_process_local_data(sharding, np.asarray(v), np.shape(v))

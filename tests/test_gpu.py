@@ -14,6 +14,7 @@ from flax import nnx
 from run_files import metric_rows
 
 from models import create_model, load_hf, make_mesh, save_hf, tiny
+from models.attention import segment_lengths
 from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl import config as C
 from rl.agent import run_episodes
@@ -44,6 +45,7 @@ def _same_params(dst, src):
 
 
 _logits = nnx.jit(lambda m, t, p, s: m(t, p, s))
+_native = nnx.jit(lambda m, t, p, s, n: m(t, p, s, n))
 
 
 def test_cudnn_attention_matches_xla_plain_and_packed():
@@ -75,6 +77,18 @@ def test_cudnn_attention_matches_xla_plain_and_packed():
         tol = 1e-4 * scale if model is ref else 0.05 * scale
         assert np.abs(got[:, :cut] - first).max() <= tol
         assert np.abs(got[:, cut:] - second).max() <= tol
+    # cuDNN with the segments passed natively (no mask), rows of 1 to 5 segments plus padding.
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(8, T - 8), b + 1, replace=False))
+        for i, (lo, hi) in enumerate(zip(np.r_[0, cuts[:-1]], cuts)):
+            seg[b, lo:hi], pos[b, lo:hi] = i + 1, np.arange(hi - lo)
+    lengths = segment_lengths(seg)
+    valid = seg > 0
+    want = np.asarray(_logits(ref, tokens, pos, seg))[valid]
+    got = np.asarray(_native(cudnn, tokens, pos, seg, lengths), np.float32)[valid]
+    assert np.abs(got - want).max() <= 0.05 * scale, np.abs(got - want).max()
 
 
 def test_hf_load_and_export_parity_in_float32(tmp_path):

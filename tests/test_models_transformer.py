@@ -74,3 +74,18 @@ def test_cudnn_attention_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # as on a machine without one
     with pytest.raises(ValueError, match="attention_impl='cudnn' needs a GPU"):
         Transformer(config, rngs=nnx.Rngs(0))
+
+
+def test_segment_lengths_lists_each_rows_segments_then_its_padding():
+    """cuDNN's packed attention gets each row's segment lengths (padding as one more segment),
+    -1 filled to a power-of-two width."""
+    from models.attention import segment_lengths
+
+    seg = np.array([[1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 0, 0, 0]])
+    got = segment_lengths(seg)
+    assert got.dtype == np.int32 and got.shape == (3, 8)
+    assert got[0].tolist() == [2, 3, 2, -1, -1, -1, -1, -1]
+    assert got[1].tolist() == [7] + [-1] * 7
+    assert got[2].tolist() == [1, 1, 1, 1, 3, -1, -1, -1]
+    assert (np.where(got >= 0, got, 0).sum(1) == seg.shape[1]).all()  # every token once
+    assert segment_lengths(np.array([[1, 1, 1, 0]])).tolist() == [[3, 1]]
