@@ -414,11 +414,26 @@ class Transformer(nnx.Module):
             return self._logits(h_B1D)[:, 0], cache
         return self._logits(h_BTD), cache
 
+    def per_layer(self) -> list[DecoderLayer]:
+        """The stacked decoder layers as one module per layer (slices of the parameters)."""
+        graphdef, state = nnx.split(self.model.layers)
+        n = self.model.layers.input_layernorm.weight.shape[0]
+        return [
+            nnx.merge(
+                graphdef,
+                nnx.spmd.remove_axis(jax.tree.map(lambda x, i=i: x[i], state), 0, _LAYERS_AXIS),
+            )
+            for i in range(n)
+        ]
+
     @_precise
-    def decode(self, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode(self, tokens, positions, cache: KVCache, layers=None) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
 
         Row b attends to cache slots <= positions[b]; positions must be < cache.max_len.
+        layers: per_layer()'s modules, for a caller that decodes many steps with the same
+        weights (each step then reads every layer's weights in place, without slicing them
+        out of the stacked parameters).
         """
         S = cache.max_len
         rope = rotary(self.config, positions[:, None])
@@ -445,6 +460,12 @@ class Transformer(nnx.Module):
             return (x_B1D, k_LBSKH, v_LBSKH), None
 
         x_B1D = self.model.embed_tokens(tokens[:, None])
-        (x_B1D, k, v), _ = _scan_layers(self.model.layers, body, (x_B1D, cache.k, cache.v))
+        carry = (x_B1D, cache.k, cache.v)
+        if layers is None:
+            (x_B1D, k, v), _ = _scan_layers(self.model.layers, body, carry)
+        else:  # one module per layer: no weight slicing in the step
+            for i, layer in enumerate(layers):
+                carry, _ = body(layer, carry, i)
+            x_B1D, k, v = carry
         logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
         return logits_BV, KVCache(k=k, v=v)

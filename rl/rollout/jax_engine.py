@@ -395,12 +395,13 @@ class JaxEngine:
         self.traces += 1
         keys, temp, top_k, top_p, max_new, stop = consts
         model = nnx.merge(self.graphdef, params, self.rest)
+        layers = model.per_layer()  # sliced once per chunk, not in every step
         cache, tok, pos, n, done = state
         C = tok.shape[0]
 
         def one(i, c):
             cache, tok, pos, n, done, toks, lps = c
-            logits, cache = model.decode(tok, pos, cache)
+            logits, cache = model.decode(tok, pos, cache, layers)
             keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
             new, lp = _sample(process_logits(logits, temp, top_k, top_p), keys_i, temp)
             active = ~done
