@@ -211,5 +211,6 @@ def test_sigterm_mid_generation_keeps_partials_and_resume_continues_them(tmp_pat
     """Nothing lost (the JAX engine, trainer.partial=drain): SIGTERM with long generations in
     flight; the checkpoint holds their partial state and the resumed run continues them
     (test_vllm_preemption: the same with a vLLM host under `continue`)."""
-    got = preempt_and_resume_keeps_partials(tmp_path, "trainer.partial=drain", total=2)
+    # four updates: with the signal after update 1, updates are left whose groups are in flight
+    got = preempt_and_resume_keeps_partials(tmp_path, "trainer.partial=drain", total=4)
     print(f"jax engine, drain: {got}")
