@@ -126,7 +126,8 @@ def test_pack_unpack_round_trip():
 
 def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path):
     """Direct use of the pool: separate pids, batches as shared-memory numpy, a SIGSTOPped
-    worker detected within the health deadline, then the restart limit's error."""
+    worker detected within the health deadline, a hung idle worker skipped (and killed) by a
+    weight update, then the restart limit's error."""
     trainer = Trainer(_cfg(str(tmp_path), "pool", "trainer.transport=local"))  # a model here
     opts = RayOptions(num_workers=1, health_deadline_s=2.0, max_restarts=1, log_dir=str(tmp_path))
     pool = WorkerPool(
@@ -164,8 +165,13 @@ def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path)
         assert pid1 not in (pid0, os.getpid()) and pool.restarts == 1
         assert [g.group_id for g in pool.run(0, items, build.sampling(trainer.cfg))] == [0, 1]
 
-        os.kill(pid1, signal.SIGKILL)
-        with pytest.raises(WorkerLost, match="died"):
+        # A worker that hangs while idle must not hold a weight update back (nor, with it,
+        # admission): the parameter server kills it after an unanswered ping and goes on.
+        os.kill(pid1, signal.SIGSTOP)
+        t0 = time.perf_counter()
+        pool.update_weights(1, Weights(params=trainer.learner.params())).wait(timeout=30)
+        assert time.perf_counter() - t0 < 2 * 2.0 + 5.0
+        with pytest.raises(WorkerLost, match="died"):  # its dispatcher's next call finds it
             pool.run(0, items, build.sampling(trainer.cfg))
         with pytest.raises(RolloutWorkerError) as err:  # max_restarts=1 already used
             pool.replace(0, "died")

@@ -44,13 +44,22 @@ class ParamServerActor:
         self.server.retain()
         return path
 
-    def publish(self, version: int, weights: list, workers: list, deadline_s: float):
+    def publish(
+        self,
+        version: int,
+        weights: list,
+        workers: list,
+        deadline_s: float,
+        health_deadline_s: float | None = None,
+    ):
         """Has every worker install `version`; {install_s, skipped, total_s, weights}.
 
         weights[0] is the flat numpy params' ObjectRef; JAX workers install it from the object
         store, vLLM workers reload the HF directory written here from it ('weights' in the reply:
-        what a replacement worker starts on). A worker that died or fails its health check (its
-        dispatcher replaces it) is skipped: its replacement starts on the newest weights.
+        what a replacement worker starts on). A worker that died, fails its health check, or
+        leaves a ping unanswered for health_deadline_s (hung: it is killed here, so its
+        dispatcher replaces it at its next call) is skipped: its replacement starts on the newest
+        weights. Without this a hung worker would hold the version back, and admission with it.
         """
         import ray
 
@@ -58,18 +67,33 @@ class ParamServerActor:
         send = self.write(version, weights) if self.server is not None else weights[0]
         refs = [w.update_weights.remote(version, send) for w in workers]
         install, skipped = 0.0, 0
+        health = health_deadline_s or deadline_s
         for w, r in zip(workers, refs):
-            try:
-                install = max(install, ray.get(r, timeout=deadline_s))
-            except ray.exceptions.RayActorError:
-                skipped += 1
-            except ray.exceptions.RayTaskError:  # lost its engine (vLLM hosts exited), or a
-                try:  # failed update on a healthy worker, which must not serve the old version
-                    ray.get(w.ping.remote(), timeout=deadline_s)
-                except ray.exceptions.RayError:
+            end = time.monotonic() + deadline_s
+            while True:
+                try:
+                    wait = max(0.0, min(health, end - time.monotonic()))
+                    install = max(install, ray.get(r, timeout=wait))
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    if time.monotonic() >= end:
+                        raise
+                    try:  # still installing, or hung?
+                        ray.get(w.ping.remote(), timeout=health)
+                    except ray.exceptions.RayError:
+                        ray.kill(w, no_restart=True)
+                        skipped += 1
+                        break
+                except ray.exceptions.RayActorError:
                     skipped += 1
-                    continue
-                raise
+                    break
+                except ray.exceptions.RayTaskError:  # lost its engine (vLLM hosts exited), or
+                    try:  # a failed update on a healthy worker, which must not serve the old one
+                        ray.get(w.ping.remote(), timeout=deadline_s)
+                    except ray.exceptions.RayError:
+                        skipped += 1
+                        break
+                    raise
         return {
             "install_s": install,
             "skipped": skipped,

@@ -372,7 +372,8 @@ class WorkerPool:
                 with self._lock:
                     handles = [w.handle for w in self.workers]
                 deadline = self.call_deadline_s
-                call = self.param_server.publish.remote(version, [ref], handles, deadline)
+                health = self.options.health_deadline_s
+                call = self.param_server.publish.remote(version, [ref], handles, deadline, health)
                 out = ray.get(call, timeout=deadline + 30)
                 while self.vllm:  # replacements started meanwhile on the previous directory
                     with self._lock:
@@ -381,7 +382,9 @@ class WorkerPool:
                     if not missed:
                         break
                     handles += missed
-                    call = self.param_server.publish.remote(version, [ref], missed, deadline)
+                    call = self.param_server.publish.remote(
+                        version, [ref], missed, deadline, health
+                    )
                     out = ray.get(call, timeout=deadline + 30)
                 self.sync_times.append(
                     {
