@@ -347,6 +347,11 @@ class ProcessEngine:
                 if p.callback is not None:
                     self._call(p.callback, ok, value)
         process.join(timeout=5)
+        # the watchdog's is_alive() may reap the child first: its exit code then lands a moment
+        # later (this thread's waitpid got ECHILD)
+        settle = time.monotonic() + 2.0
+        while process.exitcode is None and time.monotonic() < settle:
+            time.sleep(0.01)
         why = "closed" if self._closed else f"died (exit code {process.exitcode})"
         why = self._hung.get(process.pid, why)
         dead = f"{self._describe(process)} {why}"
