@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import ray
+from chaos import gone as _gone
 from run_files import metric_rows, trained_episodes
 
 from rl import build
@@ -64,20 +65,6 @@ def _watch(seen: dict, at_step: int, action) -> dict:
             action()
 
     return {"on_engine": keep, "on_update": act}
-
-
-def _gone(pid, timeout=10.0):
-    """True once process `pid` has exited (gone, or a zombie waiting to be reaped)."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                if "zombie" in f.read():
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _episode(seed, n_prompt, n_gen):
