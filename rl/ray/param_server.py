@@ -51,6 +51,7 @@ class ParamServerActor:
         workers: list,
         deadline_s: float,
         health_deadline_s: float | None = None,
+        starting: list[bool] | None = None,
     ):
         """Has every worker install `version`; {install_s, skipped, total_s, weights}.
 
@@ -60,6 +61,8 @@ class ParamServerActor:
         leaves a ping unanswered for health_deadline_s (hung: it is killed here, so its
         dispatcher replaces it at its next call) is skipped: its replacement starts on the newest
         weights. Without this a hung worker would hold the version back, and admission with it.
+        A worker still `starting` (its constructor launches vLLM hosts and answers no ping) gets
+        the whole deadline_s.
         """
         import ray
 
@@ -67,9 +70,9 @@ class ParamServerActor:
         send = self.write(version, weights) if self.server is not None else weights[0]
         refs = [w.update_weights.remote(version, send) for w in workers]
         install, skipped = 0.0, 0
-        health = health_deadline_s or deadline_s
-        for w, r in zip(workers, refs):
+        for i, (w, r) in enumerate(zip(workers, refs)):
             end = time.monotonic() + deadline_s
+            health = deadline_s if starting and starting[i] else health_deadline_s or deadline_s
             while True:
                 try:
                     wait = max(0.0, min(health, end - time.monotonic()))

@@ -29,6 +29,7 @@ from rl.ray.cluster import connect, first_line
 from rl.ray.param_server import ParamServerActor
 from rl.ray.worker import RolloutActor
 from rl.rollout.base import RolloutError, Weights, WeightUpdate, WorkerLost
+from rl.rollout.vllm_host import VLLMHostsDown
 from rl.types import arrays_nbytes, groups_from_arrays
 
 
@@ -244,7 +245,9 @@ class WorkerPool:
         except ray.exceptions.ObjectLostError as e:  # its owner (the worker) died
             raise WorkerLost(f"died ({type(e).__name__})") from e
         except ray.exceptions.RayTaskError as e:  # a bug in the rollout: fail the run, unless
-            why = self._unhealthy(slot)  # the worker lost its engine (vLLM hosts exited)
+            if isinstance(getattr(e, "cause", e), VLLMHostsDown):  # the worker lost its engine
+                raise WorkerLost(f"failed a health check: {first_line(e)}") from e  # (hosts down)
+            why = self._unhealthy(slot)  # or its ping finds every vLLM host exited
             if why:
                 raise WorkerLost(f"failed a health check: {why}") from e
             raise RolloutWorkerError(f"{self.describe(slot)} raised:\n{e}") from e
@@ -369,21 +372,29 @@ class WorkerPool:
                 return
             version, ref, (t0, t1, t2), handle = item
             try:
-                with self._lock:
+                with self._lock:  # a worker not yet ready (pid -1) is still starting
                     handles = [w.handle for w in self.workers]
+                    starting = [w.pid == -1 for w in self.workers]
                 deadline = self.call_deadline_s
                 health = self.options.health_deadline_s
-                call = self.param_server.publish.remote(version, [ref], handles, deadline, health)
+                call = self.param_server.publish.remote(
+                    version, [ref], handles, deadline, health, starting
+                )
                 out = ray.get(call, timeout=deadline + 30)
                 while self.vllm:  # replacements started meanwhile on the previous directory
                     with self._lock:
                         self.weights_ref, self.version = out["weights"][0], version
-                        missed = [w.handle for w in self.workers if w.handle not in handles]
+                        missed = [w for w in self.workers if w.handle not in handles]
                     if not missed:
                         break
-                    handles += missed
+                    handles += [w.handle for w in missed]
                     call = self.param_server.publish.remote(
-                        version, [ref], missed, deadline, health
+                        version,
+                        [ref],
+                        [w.handle for w in missed],
+                        deadline,
+                        health,
+                        [w.pid == -1 for w in missed],
                     )
                     out = ray.get(call, timeout=deadline + 30)
                 self.sync_times.append(

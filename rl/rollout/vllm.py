@@ -53,6 +53,7 @@ from rl.rollout.vllm_host import (
     WORKER_EXTENSION,
     VLLMError,
     VLLMHost,
+    VLLMHostsDown,
     http_session,
     launch_hosts,
     ties_word_embeddings,
@@ -302,7 +303,7 @@ class VLLMEngine:
                     return None
                 if not any(st.healthy for st in self._hosts):
                     detail = f"; errors: {errors}" if errors else ""
-                    raise VLLMError(
+                    raise VLLMHostsDown(
                         f"request {request_id!r}: no healthy vLLM host among "
                         f"{[self._describe_failed(st) for st in self._hosts]}{detail}"
                     )

@@ -37,6 +37,10 @@ class VLLMError(RolloutError):
     """A vLLM host failed, timed out, or refused a request or a weights directory."""
 
 
+class VLLMHostsDown(VLLMError):
+    """Every host of an engine is dead or hung: the engine cannot serve until one comes back."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Published weights directories.
 
