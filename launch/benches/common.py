@@ -90,3 +90,55 @@ def print_result(values: dict, digits: int = 6) -> str:
     line = "RESULT " + " ".join(f"{k}={fmt(v, digits)}" for k, v in values.items())
     print(line, flush=True)
     return line
+
+
+_KERNEL_KINDS = (  # (kind, substrings of a GPU kernel's name), first match wins
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("attention", ("fmha", "flash", "sdpa")),
+    ("copy", ("memcpy", "memset", "copy", "dynamic")),
+    ("fusion", ("fusion",)),
+)
+
+
+def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step") -> None:
+    """Device kernel time per `unit` (`steps` calls of step(), each `per` units) by kind
+    (matmul, attention, elementwise fusion, copy) and the slowest kernels, from a jax.profiler
+    trace; printed."""
+    import collections
+    import glob
+    import tempfile
+
+    from jax._src.lib import _profile_data  # the trace reader JAX's own profiler tests use
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                step()
+            jax.block_until_ready(state())
+        data = _profile_data.ProfileData.from_file(
+            glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+        )
+        kernels: dict = collections.defaultdict(lambda: [0, 0.0])
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if "stream" in line.name.lower():
+                    for e in line.events:
+                        kernels[e.name][0] += 1
+                        kernels[e.name][1] += e.duration_ns / 1e6 / (steps * per)
+    if not kernels:
+        print("profile: no GPU kernels in the trace")
+        return
+    kinds: dict = collections.defaultdict(float)
+    for name, (_, ms) in kernels.items():
+        low = name.lower()
+        kind = next((k for k, subs in _KERNEL_KINDS if any(x in low for x in subs)), "other")
+        kinds[kind] += ms
+    total = sum(kinds.values())
+    print(
+        f"profile: kernel time {total:.3f} ms per {unit}; "
+        + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    )
+    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {ms:8.3f} ms x{n / (steps * per):7.1f}  {name[:96]}")

@@ -20,6 +20,7 @@ from launch.benches.common import (
     default_attention,
     device_summary,
     fmt,
+    kernel_profile,
     model_config,
     peak_memory_gib,
     print_result,
@@ -179,7 +180,7 @@ def bench_learner(args) -> dict:
     if args.breakdown:
         _learner_breakdown(learner, batch, chunk, fl, step_s, peak_flops)
     if args.profile:
-        _kernel_profile(lambda: learner.update(batch), lambda: learner.state)
+        kernel_profile(lambda: learner.update(batch), lambda: learner.state)
     ckpt = _checkpoint_times(learner, batch) if args.checkpoint else {}
     return dict(
         **ckpt,
@@ -190,57 +191,6 @@ def bench_learner(args) -> dict:
         hfu=hfu,
         model_tflops=flops_s / 1e12,
     )
-
-
-_KERNEL_KINDS = (  # (kind, substrings of a GPU kernel's name), first match wins
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
-    ("attention", ("fmha", "flash", "sdpa")),
-    ("copy", ("memcpy", "memset", "copy", "dynamic")),
-    ("fusion", ("fusion",)),
-)
-
-
-def _kernel_profile(step, state, steps: int = 2) -> None:
-    """Device kernel time of `steps` calls of step() by kind (matmul, attention, elementwise
-    fusion, copy) and the slowest kernels, from a jax.profiler trace; printed."""
-    import collections
-    import glob
-    import tempfile
-
-    from jax._src.lib import _profile_data  # the trace reader JAX's own profiler tests use
-
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(steps):
-                step()
-            jax.block_until_ready(state())
-        data = _profile_data.ProfileData.from_file(
-            glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
-        )
-        kernels: dict = collections.defaultdict(lambda: [0, 0.0])
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if "stream" in line.name.lower():
-                    for e in line.events:
-                        kernels[e.name][0] += 1
-                        kernels[e.name][1] += e.duration_ns / 1e6 / steps
-    if not kernels:
-        print("profile: no GPU kernels in the trace")
-        return
-    kinds: dict = collections.defaultdict(float)
-    for name, (_, ms) in kernels.items():
-        low = name.lower()
-        kind = next((k for k, subs in _KERNEL_KINDS if any(x in low for x in subs)), "other")
-        kinds[kind] += ms
-    total = sum(kinds.values())
-    print(
-        f"profile: kernel time {total:.1f} ms per step; "
-        + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    )
-    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]:
-        print(f"  {ms:7.2f} ms x{n / steps:5.0f}  {name[:96]}")
 
 
 def _compile(name: str, lower) -> dict:

@@ -21,6 +21,7 @@ from launch.benches.common import (
     default_attention,
     device_summary,
     fmt,
+    kernel_profile,
     model_config,
     peak_memory_gib,
     print_result,
@@ -115,6 +116,8 @@ def bench_sampler(args) -> dict:
     timed(proc, *pargs)
     proc_s = statistics.median(timed(proc, *pargs)[0] for _ in range(10))
     print(f"process_logits alone [{B}, {cfg.vocab_size}]: {proc_s * 1e3:.3f} ms per call")
+    if args.profile:  # one generate of N tokens; kernel time per generated token (decode step)
+        kernel_profile(lambda: run(N, 2000), lambda: jnp.zeros(()), steps=1, per=N, unit="token")
     mem = peak_memory_gib()
     if mem is not None:
         print(f"peak device memory: {mem:.1f} GiB")
@@ -265,6 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1.0, help="longtail: Pareto tail index")
     p.add_argument("--vllm", action="store_true", help="also a vLLM host on the same requests")
     p.add_argument("--vllm-ready-s", type=float, default=600.0, help="vLLM startup deadline")
+    p.add_argument(
+        "--profile", action="store_true", help="roofline: GPU kernel time per decode step by kind"
+    )
     return p
 
 
@@ -275,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.workload == "roofline" and args.vllm:
         print("--vllm needs --workload uniform or longtail", file=sys.stderr)
+        return 2
+    if args.workload != "roofline" and args.profile:
+        print("--profile needs --workload roofline", file=sys.stderr)
         return 2
     print_result(bench_sampler(args) if args.workload == "roofline" else bench_workload(args))
     return 0
