@@ -36,6 +36,18 @@ def segment_lengths(segment_ids_BT) -> np.ndarray:
     return out
 
 
+def _rows_only(x: jax.Array) -> jax.Array:
+    """x sharded over its rows alone on the mesh in context (jax.set_mesh), if there is one."""
+    from models.sharding import RULES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    rows = tuple(a for a in RULES["batch"] if mesh.shape.get(a, 1) > 1)
+    spec = jax.sharding.PartitionSpec(rows or None, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def _cudnn_segments(q_BTNH, k_BTKH, v_BTKH, lengths_BM):
     """cuDNN flash attention over packed segments (lengths_BM: segment_lengths)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
@@ -79,8 +91,10 @@ def attention(
     "cudnn"). With segment_lengths (segment_lengths(segment_ids), on the host) cuDNN takes the
     segments natively; otherwise the segments become a dense mask built here.
     """
+    if implementation == "cudnn":  # its partitioner needs q, k, v sharded alike
+        q_BTNH, k_BTKH, v_BTKH = (_rows_only(x) for x in (q_BTNH, k_BTKH, v_BTKH))
     if implementation == "cudnn" and segment_lengths is not None:
-        return _cudnn_segments(q_BTNH, k_BTKH, v_BTKH, segment_lengths)
+        return _cudnn_segments(q_BTNH, k_BTKH, v_BTKH, _rows_only(segment_lengths))
     mask = None if segment_ids is None else segment_mask(segment_ids)
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation=implementation

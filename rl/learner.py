@@ -375,7 +375,9 @@ class Learner:
         """log p(target) [B, T] under the current params (at the learner's temperature)."""
         if self._logp is None:
             self._logp = self._compile_logp()
-        out = distributed.wait(self._logp(self.state, self._device_batch(batch)), "logprobs")
+        with jax.set_mesh(self.mesh):  # traced in the mesh: attention's sharding constraints
+            out = self._logp(self.state, self._device_batch(batch))
+        out = distributed.wait(out, "logprobs")
         return np.asarray(out)
 
     def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
@@ -403,7 +405,8 @@ class Learner:
         metrics: dict[str, float] = {}
         for i in range(minibatches):  # sliced on host, then placed with the batch sharding
             mb = {k: np.asarray(v)[i * per : (i + 1) * per] for k, v in arrays.items()}
-            self.state, met = self._train(self.state, self._device_batch(mb))
+            with jax.set_mesh(self.mesh):  # traced in the mesh: attention's sharding constraints
+                self.state, met = self._train(self.state, self._device_batch(mb))
             met = distributed.wait(met, "update")  # a lost learner host fails, not hangs
             for k, v in met.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches
@@ -413,7 +416,8 @@ class Learner:
 
     def lower_update(self, batch: TrainBatch | dict) -> jax.stages.Lowered:
         """The update step lowered for `batch`'s shapes, not run (compile-time benchmarks)."""
-        return self._train.lower(self.state, self._device_batch(batch))
+        with jax.set_mesh(self.mesh):
+            return self._train.lower(self.state, self._device_batch(batch))
 
     def set_step_cfg(self, cfg: StepConfig) -> None:
         """Switches the compiled step (e.g. from the supervised stage to RL)."""
