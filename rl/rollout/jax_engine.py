@@ -238,8 +238,8 @@ class JaxEngine:
         mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
         self.replicated = NamedSharding(mesh, PartitionSpec())  # params
         self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
-        cache_rows = NamedSharding(mesh, PartitionSpec(None, "rows"))  # the cache's [L, C, ...]
-        self.cache_rows = KVCache(k=cache_rows, v=cache_rows)
+        per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
+        self.cache_rows = KVCache(k=per_layer, v=per_layer)
         self.state_rows = (self.cache_rows,) + (self.rows,) * 4  # (cache, tok, pos, n, done)
         self.params = self._own(params)
         self.version = version
@@ -368,8 +368,12 @@ class JaxEngine:
         """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
         cache, tok, pos, n, done = state
         T = cache_b.max_len
-        put = lambda c, x: c.at[:, idx_b, :T].set(x.astype(c.dtype), mode="drop")
-        cache = KVCache(k=put(cache.k, cache_b.k), v=put(cache.v, cache_b.v))
+
+        def put(c, x, axis):  # rows idx_b, positions [0, T)
+            where = (idx_b,) + tuple(slice(0, T) if d == axis else slice(None) for d in (1, 2, 3))
+            return c.at[where].set(x.astype(c.dtype), mode="drop")
+
+        cache = cache.map(put, cache_b)
         at = lambda a, x: a.at[idx_b].set(x, mode="drop")
         return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b)
 
@@ -378,15 +382,17 @@ class JaxEngine:
         """State rows idx_C (-1: an empty, finished row), the cache resized to S positions."""
         cache, tok, pos, n, done = state
         ok = idx_C >= 0
-        rows = lambda a, axis=0: jnp.take(a, jnp.maximum(idx_C, 0), axis=axis)
+        rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
 
-        def resize(c):  # [L, C, S, K, H]: rows on axis 1, slots on axis 2
-            c = rows(c, axis=1)
-            if S <= c.shape[2]:
-                return c[:, :, :S]
-            return jnp.pad(c, ((0, 0), (0, 0), (0, S - c.shape[2])) + ((0, 0),) * (c.ndim - 3))
+        def resize(c, axis):  # [C, ...] per layer, positions on `axis`
+            c = rows(c)
+            if S <= c.shape[axis]:
+                return jax.lax.slice_in_dim(c, 0, S, axis=axis)
+            pad = [(0, 0)] * c.ndim
+            pad[axis] = (0, S - c.shape[axis])
+            return jnp.pad(c, pad)
 
-        cache = KVCache(k=resize(cache.k), v=resize(cache.v))
+        cache = cache.map(resize)
         return cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok
 
     def _decode_impl(self, params, state, live_C, consts):
@@ -422,10 +428,7 @@ class JaxEngine:
         """Shapes and shardings of (state, consts, live) for C slots and a cache of S slots."""
         arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         kv = jax.eval_shape(lambda: init_cache(self.config, C, S))
-        cache = KVCache(
-            k=arg(kv.k.shape, kv.k.dtype, self.cache_rows.k),
-            v=arg(kv.v.shape, kv.v.dtype, self.cache_rows.v),
-        )
+        cache = jax.tree.map(lambda a, sh: arg(a.shape, a.dtype, sh), kv, self.cache_rows)
         i32 = arg((C,), jnp.int32, self.rows)
         flag = arg((C,), jnp.bool_, self.rows)
         empty = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
