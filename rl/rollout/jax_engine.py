@@ -101,9 +101,21 @@ def _truncate(x: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array
 
 
 def _sample(x_BV, keys_B2, temperature_B):
-    """Samples one token per row from processed logits; returns (token, its log-prob)."""
+    """Samples one token per row from processed logits; returns (token, its log-prob).
+
+    Inverse-CDF sampling: one uniform draw per row (a Gumbel draw per vocabulary entry costs
+    the CPU more than the tiny model's step), the first token whose cumulative probability
+    exceeds it; tokens of zero probability are never drawn.
+    """
     logp_all = jax.nn.log_softmax(x_BV, axis=-1)
-    sampled = jax.vmap(jax.random.categorical)(keys_B2, x_BV)
+    probs = jnp.exp(logp_all)
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
+    sampled = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
+    # Rounding may put the draw at the total: the last token of nonzero probability then.
+    V = x_BV.shape[-1]
+    last = V - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+    sampled = jnp.minimum(sampled, last)
     greedy = jnp.argmax(x_BV, axis=-1)
     tok = jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
