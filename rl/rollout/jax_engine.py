@@ -9,6 +9,10 @@ callers. On an accelerator one chunk stays in flight while the host reads the pr
 freed slot is refilled one chunk sooner instead.
 A finished row's slot takes the next waiting request at once; `continuous=False` admits only
 into an empty batch (static batching, the baseline of `launch.bench sampler --workload longtail`).
+On a CPU a step costs per row and per cache position, so there the slots follow the demand
+(compacted once it fits in half), the cache follows the longest row in finer length buckets, and
+a chunk ends early on the device (`early_exit`) once no row is live or, with requests waiting,
+once an eighth of the slots finished.
 
 Shapes are bucketed (slots, cache length, prefill batch and prompt length), so a run compiles a
 handful of programs. The cache grows and shrinks with the longest live row, so a decode step
@@ -69,8 +73,14 @@ def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
 # Prompt and cache lengths: powers of two, then steps of 1.5x (a step attends over at most a
 # third more positions than it needs, for a handful more compiled programs).
 LEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# The cache where slots follow demand (CPU): a step there costs per row and per position, so
+# lengths step by 1.25-1.5x (a long row's cache is at most a quarter more than it needs).
+FINE_LEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
+FINE_LEN_BUCKETS += (1280, 1536, 2048, 2560, 3072, 4096)
+PROMPT_BUCKETS = (8,) + LEN_BUCKETS  # prefill lengths
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFILL_BUCKETS = (1, 4, 16, 64, 256, 1024)  # new rows per admission: few prefill programs
+EARLY_EXIT_FRACTION = 8  # a chunk ends early once 1/8 of the slots finished (rows waiting)
 
 
 def process_logits(
@@ -161,7 +171,7 @@ class _Row:
     max_new: int
     version: int = 0
     slot: int = -1
-    chunks: int = 0  # decode chunks dispatched while it was live
+    inflight: int = 0  # decode chunks dispatched and not yet read back
     finished: bool = False
     tokens: list = dataclasses.field(default_factory=list)
     logps: list = dataclasses.field(default_factory=list)
@@ -234,6 +244,7 @@ class JaxEngine:
         continuous: bool = True,
         overlap: bool | None = None,
         cache_len: int | None = None,
+        early_exit: bool | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
@@ -260,10 +271,16 @@ class JaxEngine:
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
         accelerator = self.devices[0].platform != "cpu"
         self.overlap = accelerator if overlap is None else overlap
+        # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
+        # condition may wait on the host each step) is kept to the CPU by default.
+        self.early_exit = (not accelerator) if early_exit is None else early_exit
         # On an accelerator a decode step costs about the same for any number of rows (it reads
         # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
         # step costs per row, so there the slots follow demand (powers of two).
         self.fixed_slots = accelerator or cache_len is not None
+        self.cache_buckets = LEN_BUCKETS if self.fixed_slots else FINE_LEN_BUCKETS
+        # A CPU's prefill also costs per row: admissions there are padded to powers of two.
+        self.prefill_buckets = PREFILL_BUCKETS if self.fixed_slots else BATCH_BUCKETS
         if cache_len is not None and cache_len < 1:
             raise ValueError(f"JaxEngine: cache_len={cache_len}; must be >= 1 (or None)")
         self.cache_len = None if cache_len is None else length_bucket(cache_len, LEN_BUCKETS)
@@ -291,7 +308,9 @@ class JaxEngine:
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
         self._relayout = jax.jit(self._relayout_impl, static_argnums=(2,), out_shardings=state)
         self._decode = jax.jit(
-            self._decode_impl, donate_argnums=(1,), out_shardings=(state,) + (rows,) * 3
+            self._decode_impl,
+            donate_argnums=(1,),
+            out_shardings=(state,) + (rows,) * 3 + (self.replicated,),
         )
         self.pid = os.getpid()
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
@@ -407,9 +426,11 @@ class JaxEngine:
         cache = cache.map(resize)
         return cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok
 
-    def _decode_impl(self, params, state, live_C, consts):
-        """`chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none), log-probs,
-        done [C] as int8: a copy the host reads after the state was donated to the next chunk)."""
+    def _decode_impl(self, params, state, live_C, consts, stop_after):
+        """Up to `chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none),
+        log-probs, done [C] as int8: a copy the host reads after the state was donated to the
+        next chunk, steps run). With early_exit the chunk ends once no row is live or
+        stop_after rows finished in it."""
         self.traces += 1
         keys, temp, top_k, top_p, max_new, stop = consts
         model = nnx.merge(self.graphdef, params, self.rest)
@@ -432,9 +453,20 @@ class JaxEngine:
 
         toks = jnp.full((C, self.chunk), -1, jnp.int32)
         lps = jnp.zeros((C, self.chunk), jnp.float32)
-        carry = (cache, tok, pos, n, done | ~live_C, toks, lps)
-        cache, tok, pos, n, done, toks, lps = jax.lax.fori_loop(0, self.chunk, one, carry)
-        return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8)
+        done0 = done | ~live_C
+        carry = (cache, tok, pos, n, done0, toks, lps)
+        if self.early_exit:
+
+            def more(c):
+                i, (*_, done, _, _) = c
+                finished = jnp.sum(done & ~done0)
+                return (i < self.chunk) & ~jnp.all(done) & (finished < stop_after)
+
+            steps, carry = jax.lax.while_loop(more, lambda c: (c[0] + 1, one(*c)), (0, carry))
+        else:
+            steps, carry = self.chunk, jax.lax.fori_loop(0, self.chunk, one, carry)
+        cache, tok, pos, n, done, toks, lps = carry
+        return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8), jnp.int32(steps)
 
     def _abstract(self, C: int, S: int):
         """Shapes and shardings of (state, consts, live) for C slots and a cache of S slots."""
@@ -451,7 +483,8 @@ class JaxEngine:
         """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
         allocated or run (compile-time benchmarks)."""
         state, consts, live = self._abstract(slots, cache_len)
-        return self._decode.lower(self.params, state, live, consts)
+        stop_after = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        return self._decode.lower(self.params, state, live, consts, stop_after)
 
     def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
         """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
@@ -580,20 +613,23 @@ class JaxEngine:
         return True
 
     def _admit(self) -> None:
-        """Moves waiting requests into free slots (growing or compacting the slots first)."""
+        """Sizes the slots to the demand (live and waiting rows), then moves waiting requests
+        into free slots (static batching: only into an empty batch)."""
         live = self._live()
-        if live and not self.continuous:
-            return
         with self._cv:
             demand = len(live) + len(self._waiting)
-            if not self._waiting:
-                return
+        if not demand:
+            return
         nd = len(self.devices)
         want = min(length_bucket(demand, BATCH_BUCKETS), self.max_batch)
         want = self.max_batch if self.fixed_slots else -(-want // nd) * nd
         C = len(self._slots)
-        if want > C or (want < C and (not live or demand <= C // 4)):
+        # Slots grow at once and shrink (live rows compacted) once the demand fits in half of
+        # them: a drain with nothing waiting then steps over the live rows only.
+        if want > C or (want < C and (not live or demand <= C // 2)):
             self._resize(live, want)
+        if not self._waiting or (live and not self.continuous):
+            return
         free = [s for s, r in enumerate(self._slots) if r is None]
         with self._cv:
             rows = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
@@ -611,9 +647,9 @@ class JaxEngine:
             self._consts = self._consts.take(
                 np.arange(len(self._slots)), length_bucket(n_stop, STOP_BUCKETS)
             )
-        T = length_bucket(max(r.prompt_len for r in rows), LEN_BUCKETS)
+        T = length_bucket(max(r.prompt_len for r in rows), PROMPT_BUCKETS)
         self._fit_cache(extra=T)
-        b = -(-min(length_bucket(len(rows), PREFILL_BUCKETS), self.max_batch) // nd) * nd
+        b = -(-min(length_bucket(len(rows), self.prefill_buckets), self.max_batch) // nd) * nd
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
@@ -636,9 +672,10 @@ class JaxEngine:
 
     def _resize(self, live: list[_Row], C: int) -> None:
         """C slots: live rows kept (moved to the front when shrinking), the rest empty."""
-        if self._state is None:
+        if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
+            self._flush()
             self._slots = [None] * C
-            self._consts = _Rows.empty(C, STOP_BUCKETS[0])
+            self._consts, self._consts_dev = _Rows.empty(C, STOP_BUCKETS[0]), None
             cache = init_cache(self.config, C, LEN_BUCKETS[0])
             zeros = np.zeros(C, np.int32)
             state = (cache, zeros, zeros, zeros, np.ones(C, bool))
@@ -672,15 +709,22 @@ class JaxEngine:
                 idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
                 self._state = self._relayout(self._state, idx, self.cache_len)
             return
+        # A row that has n tokens (the first one pending until its insert is read) reaches
+        # position prompt_len + n - 1 + chunk per chunk in flight and the next one.
         need = max(
             [extra]
-            + [r.prompt_len + min(self.chunk * (r.chunks + 1), r.max_new - 1) for r in self._live()]
+            + [
+                r.prompt_len
+                + min(max(len(r.tokens), 1) - 1 + self.chunk * (r.inflight + 1), r.max_new - 1)
+                for r in self._live()
+            ]
         )
-        S = self._S()
-        if need > S or need <= S // 4:  # shrink with hysteresis: each size is a compilation
-            S = length_bucket(need, LEN_BUCKETS)
+        S, new = self._S(), length_bucket(need, self.cache_buckets)
+        # Where slots follow demand (CPU) the cache shrinks to fit at once; elsewhere once a
+        # quarter of it is in use (each change is a relayout).
+        if new > S or (new < S and (not self.fixed_slots or need <= S // 4)):
             idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-            self._state = self._relayout(self._state, idx, S)
+            self._state = self._relayout(self._state, idx, new)
 
     def _dispatch(self) -> None:
         """Runs one decode chunk over every slot (asynchronously; read back by _process)."""
@@ -690,11 +734,21 @@ class JaxEngine:
         live = np.array([r is not None for r in self._slots])
         for r in self._slots:
             if r is not None:
-                r.chunks += 1
-        self._state, toks, lps, done = self._decode(
-            self.params, self._state, jax.device_put(live, self.rows), self._consts_dev
+                r.inflight += 1
+        C = len(self._slots)
+        with self._cv:
+            waiting = len(self._waiting) if self.continuous else 0
+        # With requests waiting, the chunk ends once enough rows finished to admit some (a
+        # freed slot idles no longer than that); otherwise it runs until no row is live.
+        stop_after = max(1, min(waiting, C // EARLY_EXIT_FRACTION)) if waiting else C + 1
+        self._state, toks, lps, done, steps = self._decode(
+            self.params,
+            self._state,
+            jax.device_put(live, self.rows),
+            self._consts_dev,
+            np.int32(stop_after),
         )
-        self._records.append(("chunk", list(self._slots), toks, lps, done))
+        self._records.append(("chunk", list(self._slots), toks, lps, done, steps))
 
     def _process(self, record) -> None:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
@@ -706,12 +760,14 @@ class JaxEngine:
                     r.tokens.append(int(tok[i]))
                     r.logps.append(float(lp[i]))
             return
-        _, slots, toks, lps, done = record
-        toks, lps, done = jax.device_get((toks, lps, done))
+        _, slots, toks, lps, done, steps = record
+        toks, lps, done, steps = jax.device_get((toks, lps, done, steps))
         valid = toks >= 0
-        self.slot_steps += toks.size
+        self.slot_steps += toks.shape[0] * int(steps)
         self.useful_steps += int(valid.sum())
         for s, r in enumerate(slots):
+            if r is not None:
+                r.inflight -= 1
             if r is None or r.finished:
                 continue
             m = valid[s]
