@@ -179,7 +179,8 @@ class _Row:
 
 @dataclasses.dataclass
 class _Rows:
-    """Per-slot sampling constants on the host ([C, ...] numpy), uploaded when changed."""
+    """Sampling constants of rows ([C, ...] numpy): built on the host for an admission; the
+    slots' own live on the device, in the engine state (written by the insert)."""
 
     keys: np.ndarray  # uint32 [C, 2]
     temp: np.ndarray  # float32 [C]
@@ -198,18 +199,6 @@ class _Rows:
             np.ones(C, np.int32),
             np.full((C, n_stop), -1, np.int32),
         )
-
-    def take(self, idx: np.ndarray, n_stop: int) -> _Rows:
-        """Rows idx (-1: an empty row) with the stop table widened to n_stop."""
-        out = _Rows.empty(len(idx), n_stop)
-        ok = idx >= 0
-        for f in dataclasses.fields(self):
-            src, dst = getattr(self, f.name), getattr(out, f.name)
-            if f.name == "stop":
-                dst[ok, : src.shape[1]] = src[idx[ok]]
-            else:
-                dst[ok] = src[idx[ok]]
-        return out
 
     def set(self, slot: int, req: GenerationRequest, key: np.ndarray) -> None:
         p = req.params
@@ -263,7 +252,8 @@ class JaxEngine:
         self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
         per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
         self.cache_rows = KVCache(k=per_layer, v=per_layer)
-        self.state_rows = (self.cache_rows,) + (self.rows,) * 4  # (cache, tok, pos, n, done)
+        # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
+        self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
         self.params = self._own(params)
         self.version = version
         self.chunk = chunk
@@ -295,9 +285,7 @@ class JaxEngine:
         self._failed: BaseException | None = None
         # The scheduler thread's own state: slots, device arrays, dispatched-but-unread work.
         self._slots: list[_Row | None] = []
-        self._state = None  # (cache, tok, pos, n, done), each [C, ...] split over the devices
-        self._consts: _Rows | None = None
-        self._consts_dev = None
+        self._state = None  # (cache, tok, pos, n, done, consts), [C, ...] split over the devices
         self._records: collections.deque = collections.deque()
         self.traces = 0  # prefill and decode programs traced (compilations)
         self.slot_steps = 0  # rows computed by decode steps (slots x steps)
@@ -306,7 +294,7 @@ class JaxEngine:
         state = self.state_rows
         self._prefill = jax.jit(self._prefill_impl, out_shardings=(rows,) * 3 + (self.cache_rows,))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
-        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2,), out_shardings=state)
+        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
         self._decode = jax.jit(
             self._decode_impl,
             donate_argnums=(1,),
@@ -395,9 +383,9 @@ class JaxEngine:
         return tok, lp, done, cache
 
     @staticmethod
-    def _insert_impl(state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache):
+    def _insert_impl(state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache, consts_b):
         """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
-        cache, tok, pos, n, done = state
+        cache, tok, pos, n, done, consts = state
         T = cache_b.max_len
 
         def put(c, x, axis):  # rows idx_b, positions [0, T)
@@ -406,12 +394,14 @@ class JaxEngine:
 
         cache = cache.map(put, cache_b)
         at = lambda a, x: a.at[idx_b].set(x, mode="drop")
-        return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b)
+        consts = tuple(at(a, x) for a, x in zip(consts, consts_b))
+        return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b), consts
 
     @staticmethod
-    def _relayout_impl(state, idx_C, S):
-        """State rows idx_C (-1: an empty, finished row), the cache resized to S positions."""
-        cache, tok, pos, n, done = state
+    def _relayout_impl(state, idx_C, S, n_stop):
+        """State rows idx_C (-1: an empty, finished row), the cache resized to S positions and
+        the stop tables widened to n_stop."""
+        cache, tok, pos, n, done, consts = state
         ok = idx_C >= 0
         rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
 
@@ -424,18 +414,24 @@ class JaxEngine:
             return jnp.pad(c, pad)
 
         cache = cache.map(resize)
-        return cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok
+        *consts, stop = (rows(a) for a in consts)
+        stop = jnp.pad(stop, ((0, 0), (0, n_stop - stop.shape[1])), constant_values=-1)
+        empty = _Rows.empty(1, n_stop).arrays()  # an empty row's constants
+        fill = lambda a, e: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, e)
+        consts = tuple(fill(a, e) for a, e in zip((*consts, stop), empty))
+        state = (cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok)
+        return state + (consts,)
 
-    def _decode_impl(self, params, state, live_C, consts, stop_after):
+    def _decode_impl(self, params, state, stop_after):
         """Up to `chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none),
         log-probs, done [C] as int8: a copy the host reads after the state was donated to the
         next chunk, steps run). With early_exit the chunk ends once no row is live or
         stop_after rows finished in it."""
         self.traces += 1
+        cache, tok, pos, n, done, consts = state
         keys, temp, top_k, top_p, max_new, stop = consts
         model = nnx.merge(self.graphdef, params, self.rest)
         layers = model.per_layer()  # sliced once per chunk, not in every step
-        cache, tok, pos, n, done = state
         C = tok.shape[0]
 
         def one(i, c):
@@ -453,7 +449,7 @@ class JaxEngine:
 
         toks = jnp.full((C, self.chunk), -1, jnp.int32)
         lps = jnp.zeros((C, self.chunk), jnp.float32)
-        done0 = done | ~live_C
+        done0 = done  # empty slots hold finished rows
         carry = (cache, tok, pos, n, done0, toks, lps)
         if self.early_exit:
 
@@ -466,10 +462,11 @@ class JaxEngine:
         else:
             steps, carry = self.chunk, jax.lax.fori_loop(0, self.chunk, one, carry)
         cache, tok, pos, n, done, toks, lps = carry
-        return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8), jnp.int32(steps)
+        state = (cache, tok, pos, n, done, consts)
+        return state, toks, lps, done.astype(jnp.int8), jnp.int32(steps)
 
     def _abstract(self, C: int, S: int):
-        """Shapes and shardings of (state, consts, live) for C slots and a cache of S slots."""
+        """Shapes and shardings of the state for C slots and a cache of S slots."""
         arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         kv = jax.eval_shape(lambda: init_cache(self.config, C, S))
         cache = jax.tree.map(lambda a, sh: arg(a.shape, a.dtype, sh), kv, self.cache_rows)
@@ -477,18 +474,18 @@ class JaxEngine:
         flag = arg((C,), jnp.bool_, self.rows)
         empty = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
         consts = tuple(arg(a.shape, a.dtype, self.rows) for a in empty)
-        return (cache, i32, i32, i32, flag), consts, flag
+        return cache, i32, i32, i32, flag, consts
 
     def lower_decode(self, slots: int, cache_len: int) -> jax.stages.Lowered:
         """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
         allocated or run (compile-time benchmarks)."""
-        state, consts, live = self._abstract(slots, cache_len)
+        state = self._abstract(slots, cache_len)
         stop_after = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return self._decode.lower(self.params, state, live, consts, stop_after)
+        return self._decode.lower(self.params, state, stop_after)
 
     def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
         """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
-        (_, lengths, *_), consts, _ = self._abstract(rows, prompt_len)
+        _, lengths, *_, consts = self._abstract(rows, prompt_len)
         tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
         return self._prefill.lower(self.params, tokens, lengths, consts)
 
@@ -643,31 +640,24 @@ class JaxEngine:
         """Prefills rows into the free slots (in order) and queues their first tokens."""
         nd = len(self.devices)
         n_stop = max(len(r.req.params.stop_token_ids) for r in rows)
-        if n_stop > self._consts.stop.shape[1]:
-            self._consts = self._consts.take(
-                np.arange(len(self._slots)), length_bucket(n_stop, STOP_BUCKETS)
-            )
         T = length_bucket(max(r.prompt_len for r in rows), PROMPT_BUCKETS)
-        self._fit_cache(extra=T)
+        self._fit_cache(extra=T, n_stop=n_stop)
         b = -(-min(length_bucket(len(rows), self.prefill_buckets), self.max_batch) // nd) * nd
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
-        new = _Rows.empty(b, self._consts.stop.shape[1])
+        new = _Rows.empty(b, self._n_stop())
         for i, (r, s) in enumerate(zip(rows, free)):
             tokens[i, : r.prompt_len] = r.req.prompt_ids
             lengths[i], idx[i] = r.prompt_len, s
-            key = _key_data(_seed(r.req))
-            new.set(i, r.req, key)
-            self._consts.set(s, r.req, key)
+            new.set(i, r.req, _key_data(_seed(r.req)))
             r.slot, r.version = s, self.version
             self._slots[s] = r
-        self._consts_dev = None
         tokens, lengths, idx, consts = jax.device_put(
             (tokens, lengths, idx, new.arrays()), self.rows
         )
         tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts)
-        self._state = self._insert(self._state, idx, tok, lengths, done, cache)
+        self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
         self._records.append(("insert", rows, tok, lp))
 
     def _resize(self, live: list[_Row], C: int) -> None:
@@ -675,10 +665,10 @@ class JaxEngine:
         if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
             self._flush()
             self._slots = [None] * C
-            self._consts, self._consts_dev = _Rows.empty(C, STOP_BUCKETS[0]), None
             cache = init_cache(self.config, C, LEN_BUCKETS[0])
             zeros = np.zeros(C, np.int32)
-            state = (cache, zeros, zeros, zeros, np.ones(C, bool))
+            consts = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
+            state = (cache, zeros, zeros, zeros, np.ones(C, bool), consts)
             self._state = jax.device_put(state, self.state_rows)
             return
         if C < len(self._slots):
@@ -688,9 +678,8 @@ class JaxEngine:
         else:
             idx = np.concatenate([np.arange(len(self._slots)), np.full(C - len(self._slots), -1)])
             idx = idx.astype(np.int32)
-        self._state = self._relayout(self._state, jax.device_put(idx, self.rows), self._S())
-        self._consts = self._consts.take(idx, self._consts.stop.shape[1])
-        self._consts_dev = None
+        idx = jax.device_put(idx, self.rows)
+        self._state = self._relayout(self._state, idx, self._S(), self._n_stop())
         slots: list[_Row | None] = [None] * C
         for s, old in enumerate(idx):
             if old >= 0 and self._slots[old] is not None:
@@ -701,13 +690,17 @@ class JaxEngine:
     def _S(self) -> int:
         return self._state[0].max_len
 
-    def _fit_cache(self, extra: int = 0) -> None:
+    def _n_stop(self) -> int:
+        return self._state[5][5].shape[1]  # the stop table's width
+
+    def _fit_cache(self, extra: int = 0, n_stop: int = 0) -> None:
         """Sizes the cache to what live rows can reach by the end of the next chunk (or to
-        cache_len, always, when batch-invariant)."""
+        cache_len, always, when batch-invariant) and widens the stop tables to n_stop."""
+        width = max(self._n_stop(), length_bucket(n_stop, STOP_BUCKETS))
         if self.cache_len is not None:
-            if self._S() != self.cache_len:
+            if self._S() != self.cache_len or width != self._n_stop():
                 idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-                self._state = self._relayout(self._state, idx, self.cache_len)
+                self._state = self._relayout(self._state, idx, self.cache_len, width)
             return
         # A row that has n tokens (the first one pending until its insert is read) reaches
         # position prompt_len + n - 1 + chunk per chunk in flight and the next one.
@@ -722,16 +715,15 @@ class JaxEngine:
         S, new = self._S(), length_bucket(need, self.cache_buckets)
         # Where slots follow demand (CPU) the cache shrinks to fit at once; elsewhere once a
         # quarter of it is in use (each change is a relayout).
-        if new > S or (new < S and (not self.fixed_slots or need <= S // 4)):
+        if not (new > S or (new < S and (not self.fixed_slots or need <= S // 4))):
+            new = S
+        if new != S or width != self._n_stop():
             idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-            self._state = self._relayout(self._state, idx, new)
+            self._state = self._relayout(self._state, idx, new, width)
 
     def _dispatch(self) -> None:
         """Runs one decode chunk over every slot (asynchronously; read back by _process)."""
         self._fit_cache()
-        if self._consts_dev is None:
-            self._consts_dev = jax.device_put(self._consts.arrays(), self.rows)
-        live = np.array([r is not None for r in self._slots])
         for r in self._slots:
             if r is not None:
                 r.inflight += 1
@@ -742,11 +734,7 @@ class JaxEngine:
         # freed slot idles no longer than that); otherwise it runs until no row is live.
         stop_after = max(1, min(waiting, C // EARLY_EXIT_FRACTION)) if waiting else C + 1
         self._state, toks, lps, done, steps = self._decode(
-            self.params,
-            self._state,
-            jax.device_put(live, self.rows),
-            self._consts_dev,
-            np.int32(stop_after),
+            self.params, self._state, np.int32(stop_after)
         )
         self._records.append(("chunk", list(self._slots), toks, lps, done, steps))
 
@@ -782,8 +770,12 @@ class JaxEngine:
 
     def _end_live(self) -> None:
         """Ends every live row with what it has ('abort')."""
-        for r in self._live():
+        live = self._live()
+        for r in live:
             self._finish(r, "abort")
+        if live:  # their slots hold finished rows on the device too (a decode skips them)
+            done = jax.device_put(np.ones(len(self._slots), bool), self.rows)
+            self._state = self._state[:4] + (done,) + self._state[5:]
 
     def _finish(self, r: _Row, reason: str | None = None) -> None:
         """Delivers a row's Generation; frees its slot."""
