@@ -1,0 +1,212 @@
+"""A learner over two hosts without Ray (trainer.transport local, learner.hosts 2): the same
+`python -m launch.train` on two CPU processes of two devices each (gloo), process 0 training and
+process 1 following its learner calls. It trains to the metrics of one process of four devices,
+resumes from its checkpoint, fails naming a killed host, and says which environment it lacks."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from multihost import free_port, kill_all, log_text, wait_all
+from run_files import metric_rows, trained_episodes
+
+from rl import config as C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S = 120.0  # trainer.deadline_s, and each run's wall-clock limit: processes compiling
+RUN_S = 420.0  # a whole run of two processes on a shared CPU
+
+# A sync run with the batch-invariant sampler and fixed seeds: its rollouts are bit-identical
+# whatever the learner's layout, so the learner's metrics of two layouts can be compared. The
+# longtail task's reward varies inside a group (nonzero advantages and gradients); the warm
+# start switches step and optimizer (calls every host must follow too).
+BASE = [
+    "sft.steps=2",
+    "sft.batch_size=8",
+    "sft.continue_optimizer=false",
+    "task.name=longtail",
+    "task.options.min_tokens=4",
+    "task.options.max_tokens=8",
+    "task.num_eval=4",
+    "rollout.prompts_per_update=2",
+    "rollout.group_size=4",
+    "rollout.batch_size=8",
+    "rollout.max_new_tokens=8",
+    "rollout.batch_invariant=true",
+    "algorithm.filter_zero_advantage=false",
+    "trainer.mode=sync",
+    "trainer.eval_every=0",
+    "trainer.placement=in_process",
+    f"trainer.deadline_s={DEADLINE_S:g}",
+    "learner.mesh.fsdp=2",
+    "learner.mesh.tensor=2",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.save_episodes=8",  # every trained episode is dumped
+    "seed=1",
+]
+COMPARED = ("loss/loss", "loss/grad_norm", "loss/entropy", "loss/logp_mean", "loss/pg_loss")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The subprocesses' environment: CPU, one persistent compilation cache for the module."""
+    out = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+    out["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    out["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    for k in [k for k in out if k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))]:
+        del out[k]  # the tests name their hosts themselves
+    return out
+
+
+def _args(root, *extra) -> list[str]:
+    cmd = [sys.executable, "-m", "launch.train", "--set", f"run_root={root}", "--set", "name=r"]
+    for kv in (*BASE, *extra):
+        cmd += ["--set", kv]
+    return cmd
+
+
+def _two_hosts(root, env, *extra, resume=False) -> list[subprocess.Popen]:
+    """The same command on two processes of two CPU devices, joined through the environment;
+    process i's output in root/host-<i>.log."""
+    port = free_port()
+    procs = []
+    for i in range(2):
+        e = dict(
+            env,
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(i),
+        )
+        cmd = _args(root, "learner.hosts=2", *extra) + (["--resume"] if resume else [])
+        with open(os.path.join(root, f"host-{i}.log"), "w") as log:
+            procs.append(
+                subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            )
+    return procs
+
+
+def _run_two(root, env, *extra, resume=False) -> None:
+    procs = _two_hosts(root, env, *extra, resume=resume)
+    try:
+        codes = wait_all(procs, str(root), RUN_S)
+    finally:
+        kill_all(procs)
+    follower = os.path.join(root, "r", "logs", "learner-1.log")
+    logs = log_text(str(root), 0)[-3000:] + "\n--- host 1\n" + _read(follower)[-3000:]
+    assert codes == [0, 0], logs
+
+
+def _read(path) -> str:
+    if not os.path.exists(path):
+        return f"({path} missing)"
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.slow
+def test_two_hosts_train_resume_and_equal_one_process(tmp_path, env):
+    """Two hosts train 1 update, stop, and --resume to update 2; every logged loss, gradient
+    norm, entropy and log-prob equals a one-process four-device run of 2 updates within 1e-6,
+    on the same rollouts (every trained episode's tokens and reward equal)."""
+    ref_root, two_root = tmp_path / "one", tmp_path / "two"
+    ref_root.mkdir()
+    two_root.mkdir()
+    one = subprocess.run(
+        _args(ref_root, "trainer.total_updates=2"),
+        env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    _run_two(two_root, env, "trainer.total_updates=1")
+    run = two_root / "r"
+    follower = _read(run / "logs" / "learner-1.log")
+    first = follower.splitlines()[0]
+    assert first.startswith("learner hosts: learner host 0 (pid "), follower[:2000]
+    assert f"log: {run / 'logs' / 'learner-1.log'})" in first, first
+    assert "learner host 1: done" in follower, follower[-2000:]
+    assert {"0", "1"} <= set(os.listdir(run / "checkpoints"))
+
+    _run_two(two_root, env, "trainer.total_updates=2", resume=True)
+    got, want = metric_rows(run), metric_rows(ref_root / "r")
+    assert [r["step"] for r in got] == [0, 1, 2]  # resumed at 1: no warm start, no step again
+    assert [r["step"] for r in want] == [0, 1, 2]
+    assert abs(got[0]["sft/loss"] - want[0]["sft/loss"]) <= 1e-6
+    for g, w in zip(got[1:], want[1:]):
+        for k in COMPARED:
+            assert abs(g[k] - w[k]) <= 1e-6, (g["step"], k, g[k], w[k])
+    assert all(r["loss/grad_norm"] > 0.1 for r in got[1:])  # the updates trained something
+    assert got[1]["loss/logp_mean"] != got[2]["loss/logp_mean"]  # and moved the policy
+
+    mine, theirs = trained_episodes(run), trained_episodes(ref_root / "r")
+    assert sorted(mine) == sorted(theirs) and len(mine) == 16
+    for key, e in mine.items():
+        r = theirs[key]
+        assert (e["token_ids"], e["reward"]) == (r["token_ids"], r["reward"]), key
+        np.testing.assert_allclose(e["behavior_logp"], r["behavior_logp"], rtol=0, atol=1e-6)
+    assert len({e["reward"] for e in mine.values()}) > 1  # advantages were not all zero
+
+
+@pytest.mark.slow
+def test_killed_follower_fails_host_0_naming_it(tmp_path, env):
+    """SIGKILL of process 1 after the first update: process 0 exits 1 within the deadline, its
+    last line the error naming learner host 1's pid and log."""
+    procs = _two_hosts(tmp_path, env, "trainer.total_updates=6")
+    run = tmp_path / "r"
+    try:
+        t0 = time.monotonic()
+        while not ((run / "metrics.jsonl").exists() and len(metric_rows(run)) >= 2):
+            assert time.monotonic() - t0 < RUN_S, log_text(str(tmp_path), 0)[-3000:]
+            assert all(p.poll() is None for p in procs), log_text(str(tmp_path), 0)[-3000:]
+            time.sleep(0.2)
+        victim = procs[1]
+        victim.send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        code = procs[0].wait(timeout=DEADLINE_S + 30)
+        took = time.monotonic() - t_kill
+    finally:
+        kill_all(procs)
+    text = log_text(str(tmp_path), 0)
+    assert code == 1, text[-3000:]
+    assert took < DEADLINE_S, f"{took:.1f}s"
+    last = text.strip().splitlines()[-1]
+    log = run / "logs" / "learner-1.log"
+    assert last.startswith("error: HostLost: "), text[-3000:]
+    assert f"lost learner host 1 (pid {victim.pid} on " in last and f"log: {log})" in last, last
+
+
+def test_missing_coordinator_is_a_config_error_naming_the_variables(tmp_path, env):
+    """learner.hosts 2 on the local transport with no coordinator in the environment (and no
+    cluster JAX detects): exit 2 before any work, naming the variables to set."""
+    e = {k: v for k, v in env.items() if k not in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    out = subprocess.run(
+        _args(tmp_path, "learner.hosts=2"), env=e, cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("config error: learner.hosts: 2 with trainer.transport 'local'"), err
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        assert var in err, err
+    assert not (tmp_path / "r").exists()  # nothing was written
+
+
+def test_hosts_with_local_transport_config():
+    """learner.hosts > 1 is valid with the local transport, but not with a rollout device split
+    (the learner's mesh takes every device); the error names the key, value and what is valid."""
+    mesh = ["learner.mesh.fsdp=2", "learner.hosts=2"]
+    assert C.load(None, mesh).learner.hosts == 2
+    with pytest.raises(C.ConfigError, match=r"trainer\.placement: 'split' with learner\.hosts 2"):
+        C.load(None, [*mesh, "trainer.placement=split"])
+    with pytest.raises(
+        C.ConfigError, match=r"trainer\.rollout_devices: \[0\] with learner\.hosts 2.*valid: "
+    ):
+        C.load(None, [*mesh, "trainer.rollout_devices=[0]"])
