@@ -1,7 +1,8 @@
 """A learner over two hosts without Ray (trainer.transport local, learner.hosts 2): the same
 `python -m launch.train` on two CPU processes of two devices each (gloo), process 0 training and
 process 1 following its learner calls. It trains to the metrics of one process of four devices,
-resumes from its checkpoint, fails naming a killed host, and says which environment it lacks."""
+resumes from its checkpoint, stops on SIGTERM to every host, fails naming a killed host, and
+says which environment it lacks."""
 
 import os
 import signal
@@ -156,18 +157,41 @@ def test_two_hosts_train_resume_and_equal_one_process(tmp_path, env):
     assert len({e["reward"] for e in mine.values()}) > 1  # advantages were not all zero
 
 
+def _wait_rows(run, n: int, procs, root) -> None:
+    """Until the run has logged n metric rows (every process still running)."""
+    t0 = time.monotonic()
+    while not ((run / "metrics.jsonl").exists() and len(metric_rows(run)) >= n):
+        assert time.monotonic() - t0 < RUN_S, log_text(str(root), 0)[-3000:]
+        assert all(p.poll() is None for p in procs), log_text(str(root), 0)[-3000:]
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
-def test_killed_follower_fails_host_0_naming_it(tmp_path, env):
-    """SIGKILL of process 1 after the first update: process 0 exits 1 within the deadline, its
-    last line the error naming learner host 1's pid and log."""
-    procs = _two_hosts(tmp_path, env, "trainer.total_updates=6")
-    run = tmp_path / "r"
+def test_sigterm_stops_every_host_and_a_killed_follower_fails_host_0(tmp_path, env):
+    """SIGTERM to both processes (a preemption, scancel): process 0 checkpoints with process 1
+    and both exit 0. --resume continues after that checkpoint; SIGKILL of process 1 then makes
+    process 0 exit 1 within the deadline, its last line the error naming host 1's pid and log."""
+    run, total = tmp_path / "r", "trainer.total_updates=8"
+    procs = _two_hosts(tmp_path, env, total)
     try:
-        t0 = time.monotonic()
-        while not ((run / "metrics.jsonl").exists() and len(metric_rows(run)) >= 2):
-            assert time.monotonic() - t0 < RUN_S, log_text(str(tmp_path), 0)[-3000:]
-            assert all(p.poll() is None for p in procs), log_text(str(tmp_path), 0)[-3000:]
-            time.sleep(0.2)
+        _wait_rows(run, 2, procs, tmp_path)  # update 1 logged
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = wait_all(procs, str(tmp_path), DEADLINE_S)
+    finally:
+        kill_all(procs)
+    text, follower = log_text(str(tmp_path), 0), _read(run / "logs" / "learner-1.log")
+    assert codes == [0, 0], text[-3000:] + "\n--- host 1\n" + follower[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("preempted (SIGTERM) at version "), text[-3000:]
+    stopped = int(last.split("at version ")[1].split(":")[0])
+    assert str(stopped) in os.listdir(run / "checkpoints")
+    assert "SIGTERM: host 0 checkpoints the run" in follower, follower[-3000:]
+    assert follower.strip().endswith("learner host 1: done"), follower[-3000:]
+
+    procs = _two_hosts(tmp_path, env, total, resume=True)
+    try:
+        _wait_rows(run, stopped + 2, procs, tmp_path)  # one update after the checkpoint
         victim = procs[1]
         victim.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
@@ -175,6 +199,8 @@ def test_killed_follower_fails_host_0_naming_it(tmp_path, env):
         took = time.monotonic() - t_kill
     finally:
         kill_all(procs)
+    steps = [r["step"] for r in metric_rows(run)]
+    assert steps[: stopped + 2] == list(range(stopped + 2))  # resumed after the checkpoint
     text = log_text(str(tmp_path), 0)
     assert code == 1, text[-3000:]
     assert took < DEADLINE_S, f"{took:.1f}s"
