@@ -156,6 +156,17 @@ def test_two_hosts_train_resume_and_equal_one_process(tmp_path, env):
         np.testing.assert_allclose(e["behavior_logp"], r["behavior_logp"], rtol=0, atol=1e-6)
     assert len({e["reward"] for e in mine.values()}) > 1  # advantages were not all zero
 
+    replay = subprocess.run(
+        [sys.executable, "-m", "launch.train", "--replay", str(run)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+    )
+    assert replay.returncode == 2, replay.stderr[-3000:]
+    assert "replay error: learner.hosts: 2 in this run" in replay.stderr, replay.stderr[-3000:]
+
 
 def _wait_rows(run, n: int, procs, root) -> None:
     """Until the run has logged n metric rows (every process still running)."""
@@ -236,3 +247,86 @@ def test_hosts_with_local_transport_config():
         C.ConfigError, match=r"trainer\.rollout_devices: \[0\] with learner\.hosts 2.*valid: "
     ):
         C.load(None, [*mesh, "trainer.rollout_devices=[0]"])
+
+
+class _Store:
+    """jax.distributed's key-value client, in memory: what a Channel and a Follower use."""
+
+    def __init__(self, error: str = ""):
+        self.kv: dict[str, bytes | str] = {}
+        self.error = error  # what every blocking read raises (a timeout, the service gone)
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.kv, key
+        self.kv[key] = value
+
+    key_value_set_bytes = key_value_set
+
+    def key_value_delete(self, key):
+        self.kv.pop(key, None)
+
+    def key_value_try_get(self, key):
+        if key not in self.kv:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.kv[key]
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if self.error or key not in self.kv:
+            raise RuntimeError(self.error or f"DEADLINE_EXCEEDED: GetKeyValue() {key}")
+        return self.kv[key]
+
+
+LEAD = ("learner host 0 (pid 4242 on node-a; log: /runs/r/host-0.log)", 4242, "/runs/r/host-0.log")
+
+
+def _follower(store, deadline_s=60.0):
+    from rl import distributed, lockstep
+
+    f = lockstep.Follower.__new__(lockstep.Follower)  # no coordination service, no thread
+    f.client, f.seq, f.deadline_s, f._heard = store, 0, deadline_s, time.monotonic()
+    f.lead = distributed.Host(0, LEAD[1], "node-a", LEAD[2])
+    f.me = distributed.Host(1, 4343, "node-b", "/runs/r/logs/learner-1.log")
+    return f
+
+
+def test_calls_arrive_in_order_and_their_keys_go_once_every_host_read_them(monkeypatch):
+    from rl import distributed, lockstep
+
+    store = _Store()
+    monkeypatch.setattr(distributed, "_client", lambda: store)
+    monkeypatch.setattr(lockstep, "BEAT_S", 0.01)
+    chan = lockstep.Channel()
+    follower = _follower(store)
+    batch = {"inputs": np.arange(6).reshape(2, 3)}
+    assert [chan.call("set_version", 3), chan.call("update", batch, 2)] == [0, 1]
+    method, args = follower.next_call()
+    assert (method, args) == ("set_version", (3,))
+    method, (got, minibatches) = follower.next_call()
+    assert method == "update" and minibatches == 2
+    np.testing.assert_array_equal(got["inputs"], batch["inputs"])
+    chan.read_by_all(1)  # the update (a collective) completed: both calls were read
+    assert not [k for k in store.kv if k.startswith(f"{lockstep.PREFIX}/call/")]
+    chan.call("wait")
+    chan.end(failed=False)
+    assert [follower.next_call() for _ in range(2)] == [("wait", ()), ("end", (False,))]
+    calls = sorted(k for k in store.kv if k.startswith(f"{lockstep.PREFIX}/call/"))
+    assert calls == [f"{lockstep.PREFIX}/call/2", f"{lockstep.PREFIX}/call/3"]
+    assert int(store.kv[f"{lockstep.PREFIX}/beat"]) >= 1  # the keep-alive ran
+    chan.end(failed=True)  # idempotent: no second end
+    assert f"{lockstep.PREFIX}/call/4" not in store.kv
+
+
+def test_follower_fails_naming_host_0_when_it_is_gone_or_silent():
+    from rl.distributed import HostLost
+
+    gone = _follower(_Store("UNAVAILABLE: failed to connect to all addresses"))
+    with pytest.raises(HostLost, match=r"waiting for learner call 0: lost ") as err:
+        gone.next_call()
+    assert LEAD[0] in str(err.value) and "UNAVAILABLE" in str(err.value)
+
+    silent = _follower(_Store(), deadline_s=0.3)  # no call and no keep-alive
+    t0 = time.monotonic()
+    with pytest.raises(HostLost, match=r"no call and no keep-alive from ") as err:
+        silent.next_call()
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert LEAD[0] in str(err.value) and "trainer.deadline_s=0.3s" in str(err.value)
