@@ -261,10 +261,8 @@ class Leader:
 
     def params(self):
         """The current params as host numpy arrays (gathered once per change)."""
-        from rl import distributed as d
-
         if self._host is None or self._host[0] != self._changes:
-            gather = lambda: d.gather_to_primary(self.learner.params())  # noqa: E731
+            gather = lambda: distributed.gather_to_primary(self.learner.params())  # noqa: E731
             self._host = (self._changes, self.lockstep("gather", gather, "params", collective=True))
         return self._host[1]
 
