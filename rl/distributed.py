@@ -163,9 +163,10 @@ def cluster_detected() -> str | None:
 
 
 def missing_environment() -> list[str]:
-    """The environment variables this process lacks to find its learner hosts (empty when all
-    are set, or when JAX detects the cluster and fills in the unset ones)."""
-    missing = [k for k in (ENV_ADDRESS, ENV_PROCESSES, ENV_PROCESS_ID) if not os.environ.get(k)]
+    """The environment variables this process lacks to find its learner hosts: empty when the
+    coordinator address and process id are set (the process count defaults to learner.hosts),
+    or when JAX detects the cluster and fills in the unset ones."""
+    missing = [k for k in (ENV_ADDRESS, ENV_PROCESS_ID) if not os.environ.get(k)]
     if missing and cluster_detected() is not None:
         return []
     return missing

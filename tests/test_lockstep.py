@@ -234,6 +234,12 @@ def test_missing_coordinator_is_a_config_error_naming_the_variables(tmp_path, en
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         assert var in err, err
     assert not (tmp_path / "r").exists()  # nothing was written
+    e["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"  # no process id: still unknown
+    out = subprocess.run(
+        _args(tmp_path, "learner.hosts=2"), env=e, cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "its hosts: JAX_PROCESS_ID unset" in out.stderr, out.stderr[-3000:]
 
 
 def test_hosts_with_local_transport_config():
