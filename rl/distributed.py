@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -79,15 +80,18 @@ def initialize(
     *,
     coordinator_address: str | None = None,
     process_id: int | None = None,
-    log: str = "",
+    log: str | Callable[[int], str] = "",
     deadline_s: float = 600.0,
 ) -> Host | None:
     """Joins this process to a learner of `hosts` processes (learner.hosts); None when 1.
 
-    Must run before JAX creates its backends. On CPU the cross-process collectives are gloo.
-    Each host's pid, node and `log` are exchanged through the coordinator, so a lost host can be
-    named by any other. Jobs recover from a lost host only by failing it (HostLost): JAX's
-    recoverability mode keeps a survivor alive long enough to say which host was lost.
+    Must run before JAX creates its backends (it creates none itself, so a caller may still pin
+    threads after it). On CPU the cross-process collectives are gloo. Each host's pid, node and
+    `log` are exchanged through the coordinator, so a lost host can be named by any other; `log`
+    may be a function of the process id (called once it is known, before the roster is written:
+    it may redirect this process's output there). Jobs recover from a lost host only by failing
+    it (HostLost): JAX's recoverability mode keeps a survivor alive long enough to say which
+    host was lost.
     """
     if hosts == 1:
         return None
@@ -117,13 +121,18 @@ def initialize(
         shutdown_timeout_seconds=wait,
         coordinator_bind_address=bind,
     )
-    if jax.process_count() != hosts:
+    from jax._src import distributed as jd
+
+    found = jd.global_state.num_processes  # not jax.process_count(): that starts the backend
+    if found != hosts:
         raise ValueError(
-            f"learner.hosts: {hosts}, but jax.distributed found {jax.process_count()} "
+            f"learner.hosts: {hosts}, but jax.distributed found {found} "
             "processes (the cluster's environment); they must agree"
         )
+    me_id = jd.global_state.process_id
+    log = log(me_id) if callable(log) else log
     log = os.path.abspath(log) if log else ""
-    me = Host(jax.process_index(), os.getpid(), socket.gethostname(), log)
+    me = Host(me_id, os.getpid(), socket.gethostname(), log)
     client = _client()
     client.key_value_set(f"tandem/host/{me.process_id}", json.dumps(dataclasses.asdict(me)))
     roster = []
@@ -136,6 +145,31 @@ def initialize(
     print("learner hosts: " + "; ".join(h.describe() for h in roster), flush=True)
     atexit.register(shutdown)  # runs before JAX's own exit hook (registered earlier)
     return me
+
+
+def cluster_detected() -> str | None:
+    """The cluster JAX's own detection finds here (SLURM, a TPU slice, Open MPI), or None."""
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:  # mpi4py: only when asked for
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception:  # noqa: BLE001 - a detector that cannot run here detects nothing
+            continue
+    return None
+
+
+def missing_environment() -> list[str]:
+    """The environment variables this process lacks to find its learner hosts: empty when the
+    coordinator address and process id are set (the process count defaults to learner.hosts),
+    or when JAX detects the cluster and fills in the unset ones."""
+    missing = [k for k in (ENV_ADDRESS, ENV_PROCESS_ID) if not os.environ.get(k)]
+    if missing and cluster_detected() is not None:
+        return []
+    return missing
 
 
 def shutdown() -> None:
@@ -172,6 +206,11 @@ def _client():
 def hosts() -> tuple[Host, ...]:
     """Every learner host of this process's group (empty for a one-process learner)."""
     return _group.hosts
+
+
+def this_host() -> Host:
+    """This process's entry of the roster (a multi-host learner only)."""
+    return _group.hosts[_group.me]
 
 
 def is_primary() -> bool:
