@@ -257,14 +257,26 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
 
 
-def test_two_learner_hosts_run_in_lockstep_and_resume(cluster, tmp_path):
+def test_two_learner_hosts_learn_in_lockstep_and_resume(cluster, tmp_path):
     """learner.hosts=2: two learner actors joined by jax.distributed (a 2 x 2 mesh, fsdp across
-    them) train a short run; each logs its host id, the checkpoint records two writers, both
-    actors end with the run; `--resume` on two hosts continues from that checkpoint to the end,
-    every finished episode trained exactly once."""
-    first, total = 2, 3
-    hosts = ["learner.hosts=2", "learner.mesh.fsdp=2", "learner.mesh.tensor=2"]
-    cfg = _cfg(str(tmp_path), "hosts", f"trainer.total_updates={first}", *hosts)
+    them) train; each logs its host id, the checkpoint records two writers, both actors end with
+    the run; `--resume` on two hosts continues from that checkpoint to the end, every finished
+    episode trained exactly once, and held-out accuracy rose (the longtail task: answers of
+    mostly even digits, learnable in a few updates from a random model)."""
+    first, total, P = 4, 10, 8
+    over = [
+        "learner.hosts=2",
+        "learner.mesh.fsdp=2",
+        "learner.mesh.tensor=2",
+        "task.name=longtail",
+        "task.options={min_tokens: 8, max_tokens: 8}",
+        "task.num_eval=32",
+        f"rollout.prompts_per_update={P}",
+        f"rollout.batch_size={P * N}",
+        f"logging.save_episodes={P * N}",
+        f"trainer.eval_every={first}",
+    ]
+    cfg = _cfg(str(tmp_path), "hosts", f"trainer.total_updates={first}", *over)
     trainer = Trainer(cfg)
     learner = trainer.learner
     assert learner.hosts == 2 and len(set(learner.pids)) == 2
@@ -280,7 +292,7 @@ def test_two_learner_hosts_run_in_lockstep_and_resume(cluster, tmp_path):
     with open(os.path.join(run_dir, "checkpoints", str(first), "layout", "metadata")) as f:
         assert '"hosts": 2' in f.read()
 
-    cfg = _cfg(str(tmp_path), "hosts", f"trainer.total_updates={total}", *hosts)
+    cfg = _cfg(str(tmp_path), "hosts", f"trainer.total_updates={total}", *over)
     trainer = Trainer(cfg, resume=True)
     assert trainer.learner.version == first and trainer.learner.hosts == 2
     trainer.run()
@@ -288,9 +300,13 @@ def test_two_learner_hosts_run_in_lockstep_and_resume(cluster, tmp_path):
     assert [r["step"] for r in rows] == list(range(total + 1))  # each version exactly once
     assert all(np.isfinite(r["loss/loss"]) for r in rows[1:])
     trained = trained_episodes(run_dir)  # raises on any episode trained twice
-    assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    assert sorted(trained) == [(g, i) for g in range(total * P) for i in range(N)]
     with open(os.path.join(run_dir, "checkpoints", str(total), "layout", "metadata")) as f:
         assert '"hosts": 2' in f.read()
+    evals = {r["step"]: (r["eval/accuracy"], r["eval/reward"]) for r in rows if "eval/reward" in r}
+    print(f"two learner hosts: held-out (accuracy, reward) by update {evals}")
+    assert evals[total][0] >= evals[0][0] + 0.25, evals
+    assert evals[total][1] >= evals[0][1] + 0.1, evals
 
 
 @pytest.mark.vllm
