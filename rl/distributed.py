@@ -58,6 +58,17 @@ class _Group:
 _group = _Group()  # this process's view of the learner group (like jax.distributed's own state)
 
 
+def redirect_output(log_path: str) -> None:
+    """Everything the process prints (JAX warnings, tracebacks) goes to log_path."""
+    if not log_path:
+        return
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now (for a coordinator address)."""
     with socket.socket() as s:
@@ -133,11 +144,11 @@ def initialize(
     log = log(me_id) if callable(log) else log
     log = os.path.abspath(log) if log else ""
     me = Host(me_id, os.getpid(), socket.gethostname(), log)
-    client = _client()
-    client.key_value_set(f"tandem/host/{me.process_id}", json.dumps(dataclasses.asdict(me)))
+    kv = client()
+    kv.key_value_set(f"tandem/host/{me.process_id}", json.dumps(dataclasses.asdict(me)))
     roster = []
     for i in range(hosts):
-        text = client.blocking_key_value_get(f"tandem/host/{i}", wait * 1000)
+        text = kv.blocking_key_value_get(f"tandem/host/{i}", wait * 1000)
         roster.append(Host(**json.loads(text)))
     _group.hosts, _group.me, _group.deadline_s = tuple(roster), me.process_id, deadline_s
     # In the log first: JAX itself ends every host at once when host 0 (its coordination
@@ -181,15 +192,15 @@ def shutdown() -> None:
     """
     import jax
 
-    if len(_group.hosts) < 2 or _client() is None:
+    if len(_group.hosts) < 2 or client() is None:
         return
-    client = _client()
+    kv = client()
     ids = [h.process_id for h in _group.hosts]
-    client.wait_at_barrier("tandem/exit", int(_group.deadline_s * 1000))
+    kv.wait_at_barrier("tandem/exit", int(_group.deadline_s * 1000))
     if is_primary():
         t0 = time.monotonic()
         while time.monotonic() - t0 < _group.deadline_s:
-            live = _ask(lambda: set(client.get_live_nodes(ids)), timeout=1.0)
+            live = _ask(lambda: set(kv.get_live_nodes(ids)), timeout=1.0)
             if live is not None and live <= {0}:
                 break
             time.sleep(POLL_S)
@@ -197,7 +208,7 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def _client():
+def client():
     from jax._src import distributed as jd  # the one handle on the coordination service
 
     return jd.global_state.client
@@ -242,7 +253,7 @@ def _lost_hosts() -> list[Host]:
     live: dict = {}
 
     try:
-        live = _ask(lambda: set(_client().get_live_nodes(ids)), timeout=2.0)
+        live = _ask(lambda: set(client().get_live_nodes(ids)), timeout=2.0)
     except Exception:  # noqa: BLE001 - the coordination service itself is gone (process 0)
         live = set(ids) - {0}
     lost = set(ids) - live if live is not None else set()

@@ -39,7 +39,7 @@ class Channel:
     """Process 0's end of the calls: numbered, published, deleted once every host read them."""
 
     def __init__(self):
-        self.client = distributed._client()
+        self.client = distributed.client()
         self.seq = 0  # the next call's number
         self.kept = 0  # the oldest call whose key may still be in the store
         self.broken = False  # a call lost a host: no collective may run any more
@@ -127,10 +127,8 @@ def join(cfg: C.RunConfig, run_dir: str) -> bool:
     def log(process_id: int) -> str:
         if process_id == 0:
             return stderr_file()
-        from rl.ray.cluster import redirect_output  # needs no Ray
-
         path = os.path.join(logs, f"learner-{process_id}.log")
-        redirect_output(path)
+        distributed.redirect_output(path)
         return path
 
     try:
@@ -333,7 +331,7 @@ class Follower:
     def __init__(self, cfg: C.RunConfig, run_dir: str):
         self.cfg, self.run_dir = cfg, os.path.abspath(run_dir)
         self.deadline_s = cfg.trainer.deadline_s
-        self.client = distributed._client()
+        self.client = distributed.client()
         self.seq = 0
         self.lead, self.me = distributed.hosts()[0], distributed.this_host()
         self.learner = self.ckpt = None

@@ -299,7 +299,7 @@ def test_calls_arrive_in_order_and_their_keys_go_once_every_host_read_them(monke
     from rl import distributed, lockstep
 
     store = _Store()
-    monkeypatch.setattr(distributed, "_client", lambda: store)
+    monkeypatch.setattr(distributed, "client", lambda: store)
     monkeypatch.setattr(lockstep, "BEAT_S", 0.01)
     chan = lockstep.Channel()
     follower = _follower(store)

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from rl.ray.cluster import redirect_output
+from rl.distributed import redirect_output
 
 
 class ParamServerActor:
