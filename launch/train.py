@@ -46,6 +46,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.learner.hosts > 1 and cfg.trainer.transport == "local":  # this command on every host
+        from rl import lockstep
+
+        run_dir = args.run_dir or os.path.join(cfg.run_root, cfg.name)
+        try:
+            primary = lockstep.join(cfg, run_dir)
+        except C.ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        if not primary:  # learner host 1..N-1: runs host 0's learner calls until it ends
+            return lockstep.follow(cfg, run_dir)
+        code = 1
+        try:
+            code = train_main(cfg, args)
+        finally:  # the other hosts end with this one, also when it raised
+            code = lockstep.finish(code)
+        return code
+    return train_main(cfg, args)
+
+
+def train_main(cfg, args) -> int:
+    """Runs the training job of a validated config (on host 0 of a multi-host learner)."""
+    from rl import config as C
     from rl import placement
 
     try:  # what this host cannot run fails now, before the trainer's imports and any work

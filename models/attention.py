@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import RULES
+
 
 def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
     """The dense [B, 1, T, T] mask of tokens in the same segment (padding, 0, is one segment)."""
@@ -38,8 +40,6 @@ def segment_lengths(segment_ids_BT) -> np.ndarray:
 
 def _rows_only(x: jax.Array) -> jax.Array:
     """x sharded over its rows alone on the mesh in context (jax.set_mesh), if there is one."""
-    from models.sharding import RULES
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x

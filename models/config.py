@@ -5,6 +5,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Parameters and activations are annotated with logical names only.
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "length": (),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": (),
+}
+
+
 MODEL_TYPES = ("qwen2", "llama", "qwen3")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn")

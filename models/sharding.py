@@ -10,23 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.config import ModelConfig
+from models.config import MESH_AXES, RULES, ModelConfig
 from models.transformer import Transformer
-
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical axis -> mesh axes. Parameters and activations are annotated with logical names only.
-RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "length": (),
-    "embed": ("fsdp",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "head_dim": (),
-    "mlp": ("tensor",),
-    "vocab": ("tensor",),
-    "layers": (),
-}
 
 
 def make_mesh(

@@ -68,6 +68,27 @@ def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
     )
 
 
+_OPTIMIZERS: dict[int, tuple] = {}  # id(tx) -> (tx, name) of the optimizers built below
+
+
+def _named(tx, name: str):
+    """`tx`, noted as the run's optimizer `name` (kept alive, so its id stays its own)."""
+    _OPTIMIZERS[id(tx)] = (tx, name)
+    return tx
+
+
+def optimizer_name(tx) -> str | None:
+    """'rl' or 'sft' when `tx` is one of the run's optimizers built here, else None (a learner
+    host without Ray rebuilds it by name: an optax transformation holds closures, no pickle)."""
+    entry = _OPTIMIZERS.get(id(tx))
+    return entry[1] if entry is not None and entry[0] is tx else None
+
+
+def named_optimizer(cfg: C.RunConfig, name: str):
+    """The run's optimizer `name` ('rl' or 'sft'), built from cfg."""
+    return {"rl": rl_optimizer, "sft": sft_optimizer}[name](cfg)
+
+
 def rl_optimizer(cfg: C.RunConfig):
     """The optimizer of the run (its state structure is what checkpoints hold).
 
@@ -86,7 +107,7 @@ def rl_optimizer(cfg: C.RunConfig):
             s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
         )
         sched = optax.join_schedules([warm, sched], [s.steps])
-    return make_optimizer(
+    tx = make_optimizer(
         sched,
         weight_decay=o.weight_decay,
         b1=o.b1,
@@ -94,14 +115,14 @@ def rl_optimizer(cfg: C.RunConfig):
         eps=o.eps,
         max_grad_norm=o.max_grad_norm,
     )
+    return _named(tx, "rl")
 
 
 def sft_optimizer(cfg: C.RunConfig):
     """The warm start's own optimizer (when it does not continue into RL)."""
     s = cfg.sft
-    return make_optimizer(
-        s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
-    )
+    tx = make_optimizer(s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule)
+    return _named(tx, "sft")
 
 
 def loss_config(cfg: C.RunConfig) -> L.LossConfig:

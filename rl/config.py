@@ -231,7 +231,10 @@ class LearnerSection:
     hosts: int = F(
         1,
         "learner processes (one per host, jax.distributed), each giving learner.mesh an equal "
-        "share of its devices; > 1 needs trainer.transport ray (docs/clusters.md)",
+        "share of its devices; > 1 with trainer.transport ray: one learner actor per host; with "
+        "local: the same command runs on every host (process 0 trains, the others follow its "
+        "learner calls; coordinator from JAX_COORDINATOR_ADDRESS etc. or SLURM / TPU; "
+        "docs/clusters.md)",
     )
 
 
@@ -649,7 +652,10 @@ def _check_model_overrides(cfg: RunConfig) -> None:
 
 
 def _check_hosts(cfg: RunConfig) -> None:
-    """learner.hosts: a positive share of the mesh per host, driven by the ray transport."""
+    """learner.hosts: a positive share of the mesh per host. More than one host: learner actors
+    (trainer.transport ray), or the command run on every host (local: rl/lockstep.py, where the
+    mesh takes every device, so there is no rollout device split; the coordinator comes from the
+    environment, checked when the process joins)."""
     n, m = cfg.learner.hosts, cfg.learner.mesh
     size = m.data * m.fsdp * m.tensor
     if n < 1:
@@ -660,11 +666,25 @@ def _check_hosts(cfg: RunConfig) -> None:
             f"{m.data}x{m.fsdp}x{m.tensor} (each host gives the mesh an equal share); valid: "
             f"{', '.join(str(k) for k in range(1, size + 1) if size % k == 0)}"
         )
-    if n > 1 and cfg.trainer.transport != "ray":
-        raise ConfigError(
-            f"learner.hosts: {n} needs trainer.transport 'ray' (the trainer drives one learner "
-            f"actor per host), got {cfg.trainer.transport!r}; valid with it: 1"
-        )
+    t = cfg.trainer
+    if n > 1 and t.transport == "local":
+        split = [
+            (k, v)
+            for k, v in (
+                ("trainer.placement", "split" if t.placement == "split" else None),
+                ("trainer.rollout_devices", t.rollout_devices),
+                ("trainer.learner_devices", t.learner_devices),
+            )
+            if v
+        ]
+        if split:
+            key, value = split[0]
+            raise ConfigError(
+                f"{key}: {value!r} with learner.hosts {n} and trainer.transport 'local': the "
+                "learner's mesh takes a share of every host's devices, none is left to split off "
+                "for the rollout; valid: trainer.placement auto, in_process or process (CPU), "
+                "no rollout_devices / learner_devices"
+            )
 
 
 def _is_number(value) -> bool:

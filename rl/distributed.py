@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,6 +58,17 @@ class _Group:
 _group = _Group()  # this process's view of the learner group (like jax.distributed's own state)
 
 
+def redirect_output(log_path: str) -> None:
+    """Everything the process prints (JAX warnings, tracebacks) goes to log_path."""
+    if not log_path:
+        return
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now (for a coordinator address)."""
     with socket.socket() as s:
@@ -79,15 +91,18 @@ def initialize(
     *,
     coordinator_address: str | None = None,
     process_id: int | None = None,
-    log: str = "",
+    log: str | Callable[[int], str] = "",
     deadline_s: float = 600.0,
 ) -> Host | None:
     """Joins this process to a learner of `hosts` processes (learner.hosts); None when 1.
 
-    Must run before JAX creates its backends. On CPU the cross-process collectives are gloo.
-    Each host's pid, node and `log` are exchanged through the coordinator, so a lost host can be
-    named by any other. Jobs recover from a lost host only by failing it (HostLost): JAX's
-    recoverability mode keeps a survivor alive long enough to say which host was lost.
+    Must run before JAX creates its backends (it creates none itself, so a caller may still pin
+    threads after it). On CPU the cross-process collectives are gloo. Each host's pid, node and
+    `log` are exchanged through the coordinator, so a lost host can be named by any other; `log`
+    may be a function of the process id (called once it is known, before the roster is written:
+    it may redirect this process's output there). Jobs recover from a lost host only by failing
+    it (HostLost): JAX's recoverability mode keeps a survivor alive long enough to say which
+    host was lost.
     """
     if hosts == 1:
         return None
@@ -117,18 +132,23 @@ def initialize(
         shutdown_timeout_seconds=wait,
         coordinator_bind_address=bind,
     )
-    if jax.process_count() != hosts:
+    from jax._src import distributed as jd
+
+    found = jd.global_state.num_processes  # not jax.process_count(): that starts the backend
+    if found != hosts:
         raise ValueError(
-            f"learner.hosts: {hosts}, but jax.distributed found {jax.process_count()} "
+            f"learner.hosts: {hosts}, but jax.distributed found {found} "
             "processes (the cluster's environment); they must agree"
         )
+    me_id = jd.global_state.process_id
+    log = log(me_id) if callable(log) else log
     log = os.path.abspath(log) if log else ""
-    me = Host(jax.process_index(), os.getpid(), socket.gethostname(), log)
-    client = _client()
-    client.key_value_set(f"tandem/host/{me.process_id}", json.dumps(dataclasses.asdict(me)))
+    me = Host(me_id, os.getpid(), socket.gethostname(), log)
+    kv = client()
+    kv.key_value_set(f"tandem/host/{me.process_id}", json.dumps(dataclasses.asdict(me)))
     roster = []
     for i in range(hosts):
-        text = client.blocking_key_value_get(f"tandem/host/{i}", wait * 1000)
+        text = kv.blocking_key_value_get(f"tandem/host/{i}", wait * 1000)
         roster.append(Host(**json.loads(text)))
     _group.hosts, _group.me, _group.deadline_s = tuple(roster), me.process_id, deadline_s
     # In the log first: JAX itself ends every host at once when host 0 (its coordination
@@ -136,6 +156,31 @@ def initialize(
     print("learner hosts: " + "; ".join(h.describe() for h in roster), flush=True)
     atexit.register(shutdown)  # runs before JAX's own exit hook (registered earlier)
     return me
+
+
+def cluster_detected() -> str | None:
+    """The cluster JAX's own detection finds here (SLURM, a TPU slice, Open MPI), or None."""
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:  # mpi4py: only when asked for
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception:  # noqa: BLE001 - a detector that cannot run here detects nothing
+            continue
+    return None
+
+
+def missing_environment() -> list[str]:
+    """The environment variables this process lacks to find its learner hosts: empty when the
+    coordinator address and process id are set (the process count defaults to learner.hosts),
+    or when JAX detects the cluster and fills in the unset ones."""
+    missing = [k for k in (ENV_ADDRESS, ENV_PROCESS_ID) if not os.environ.get(k)]
+    if missing and cluster_detected() is not None:
+        return []
+    return missing
 
 
 def shutdown() -> None:
@@ -147,15 +192,15 @@ def shutdown() -> None:
     """
     import jax
 
-    if len(_group.hosts) < 2 or _client() is None:
+    if len(_group.hosts) < 2 or client() is None:
         return
-    client = _client()
+    kv = client()
     ids = [h.process_id for h in _group.hosts]
-    client.wait_at_barrier("tandem/exit", int(_group.deadline_s * 1000))
+    kv.wait_at_barrier("tandem/exit", int(_group.deadline_s * 1000))
     if is_primary():
         t0 = time.monotonic()
         while time.monotonic() - t0 < _group.deadline_s:
-            live = _ask(lambda: set(client.get_live_nodes(ids)), timeout=1.0)
+            live = _ask(lambda: set(kv.get_live_nodes(ids)), timeout=1.0)
             if live is not None and live <= {0}:
                 break
             time.sleep(POLL_S)
@@ -163,7 +208,7 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-def _client():
+def client():
     from jax._src import distributed as jd  # the one handle on the coordination service
 
     return jd.global_state.client
@@ -172,6 +217,11 @@ def _client():
 def hosts() -> tuple[Host, ...]:
     """Every learner host of this process's group (empty for a one-process learner)."""
     return _group.hosts
+
+
+def this_host() -> Host:
+    """This process's entry of the roster (a multi-host learner only)."""
+    return _group.hosts[_group.me]
 
 
 def is_primary() -> bool:
@@ -203,7 +253,7 @@ def _lost_hosts() -> list[Host]:
     live: dict = {}
 
     try:
-        live = _ask(lambda: set(_client().get_live_nodes(ids)), timeout=2.0)
+        live = _ask(lambda: set(client().get_live_nodes(ids)), timeout=2.0)
     except Exception:  # noqa: BLE001 - the coordination service itself is gone (process 0)
         live = set(ids) - {0}
     lost = set(ids) - live if live is not None else set()

@@ -251,6 +251,11 @@ class Learner:
         model, _ = nnx.merge(self.graphdef, self.state)
         return model
 
+    @property
+    def config(self):
+        """The model's config."""
+        return self.model.config
+
     def params(self) -> nnx.State:
         """The current parameters (nnx.Param state)."""
         return nnx.state(self.model, nnx.Param)

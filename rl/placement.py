@@ -130,11 +130,16 @@ def resolve(cfg: C.RunConfig, *, backend: str | None = None, devices=None) -> Pl
     import jax
 
     t = cfg.trainer
-    devices = list(jax.devices() if devices is None else devices)
+    # A local learner over several hosts takes a share of every device; the rollout runs on
+    # host 0 (this process) beside it, never on a split of its own.
+    hosts = cfg.learner.hosts > 1 and t.transport == "local"
+    if devices is None:
+        devices = jax.local_devices() if hosts else jax.devices()
+    devices = list(devices)
     backend = backend or jax.default_backend()
     here = f"the {backend!r} backend with {len(devices)} device(s)"
     valid = ["auto", "in_process"] + (["process"] if backend == "cpu" else [])
-    valid += ["split"] if len(devices) >= 2 else []
+    valid += ["split"] if len(devices) >= 2 and not hosts else []
     kind = t.placement
     if kind == "auto":
         if t.rollout_devices:
@@ -142,7 +147,7 @@ def resolve(cfg: C.RunConfig, *, backend: str | None = None, devices=None) -> Pl
         elif backend == "cpu":
             kind = "process"
         else:
-            kind = "split" if len(devices) >= 2 else "in_process"
+            kind = "split" if len(devices) >= 2 and not hosts else "in_process"
     if cfg.rollout.engine != "jax" or t.transport != "local":
         kind = "in_process"  # vLLM hosts or Ray workers are the rollout; the evaluator is here
     if kind not in valid:

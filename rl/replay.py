@@ -202,6 +202,12 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
             f"trainer.transport {cfg.trainer.transport!r}, rollout.engine "
             f"{cfg.rollout.engine!r}: replay needs transport 'local' and engine 'jax'"
         )
+    if cfg.learner.hosts > 1:
+        raise C.ConfigError(
+            f"learner.hosts: {cfg.learner.hosts} in this run; replay runs the learner in one "
+            "process, whose sums are not bit-for-bit those of several hosts, so it replays only "
+            "runs of learner.hosts 1"
+        )
     schedule = read_schedule(run_dir)
     rewinds = [s for s in schedule if "rewind" in s]
     if rewinds:

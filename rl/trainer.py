@@ -5,7 +5,8 @@ bound eta the coordinator enforces (sync 0, one_step_off 1, async trainer.max_st
 Dispatcher threads (rl/dispatch.py) admit groups and deliver finished ones to the buffer; the
 learner consumes B groups per update, publishes its weights to the rollout engine every
 sync_every updates, evaluates and checkpoints. What is built from the config comes from
-rl/build.py (local transport) or rl/ray (ray transport).
+rl/build.py (local transport) or rl/ray (ray transport); a local learner over several hosts is
+driven through rl/lockstep.py (this process is its host 0).
 """
 
 from __future__ import annotations
@@ -83,18 +84,26 @@ class Trainer:
             )
             self.schedule = ScheduleWriter(self.run_dir, self.episode_seeds, resume=step)
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
         self.episodes_dir = os.path.join(self.run_dir, "episodes")
         os.makedirs(self.episodes_dir, exist_ok=True)
 
     def _start_local(self, resume: bool):
-        """The learner in this process, on this host's devices (or trainer.learner_devices)."""
-        split = self.place.split
-        pool = split.learner if split else jax.devices()
-        _, self.learner, self.ckpt = build.make_learner(
-            self.cfg, self.tokenizer.vocab_size, pool, self.run_dir
-        )
+        """The learner in this process, on this host's devices (or trainer.learner_devices);
+        with learner.hosts > 1 this process's share of it, driving the other hosts' shares."""
+        if self.cfg.learner.hosts > 1:
+            from rl import lockstep
+
+            self.learner, self.ckpt = lockstep.lead(
+                self.cfg, self.tokenizer.vocab_size, self.run_dir
+            )
+        else:
+            split = self.place.split
+            pool = split.learner if split else jax.devices()
+            _, self.learner, self.ckpt = build.make_learner(
+                self.cfg, self.tokenizer.vocab_size, pool, self.run_dir
+            )
         if not resume:
             return None
         restored = build.restore_learner(self.learner, self.ckpt, partials=True)
@@ -127,9 +136,10 @@ class Trainer:
         )
         return self.learner.restore() if resume else None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Shuts the run down in order: admission, rollout, engines, metrics, checkpoints (a save
-        in flight completes), the learner actor and a Ray cluster this trainer started.
+        in flight completes), the learner actor and a Ray cluster this trainer started; the
+        other learner hosts of a local multi-host learner end with it (exit 1 if `failed`).
         Idempotent; a step that fails is reported and the others still run."""
         if self._closed:
             return
@@ -145,6 +155,12 @@ class Trainer:
             steps.append(lambda: dispatcher.join(timeout=60))
         for e in {id(e): e for e in (engine, evaluator) if e is not None}.values():
             steps.append(e.close)
+        if self.cfg.learner.hosts > 1 and not self.remote:
+            from rl import lockstep
+
+            chan = lockstep.channel()
+            if chan is not None:  # the other hosts close their checkpointers with this one
+                steps.append(lambda: chan.end(failed))
         for res in (getattr(self, "writer", None), self.ckpt):
             if res is not None:
                 steps.append(res.close)
@@ -202,7 +218,7 @@ class Trainer:
             return pool, pool, pool
         if cfg.rollout.engine == "vllm":
             self.param_server = build.make_param_server(
-                cfg, learner.model.config, self.run_dir, self.tok_dir, self.tokenizer
+                cfg, learner.config, self.run_dir, self.tok_dir, self.tokenizer
             )
         engine = build.make_engine(
             cfg,
@@ -324,10 +340,13 @@ class Trainer:
         Hooks (benchmarks): on_engine(engine) once the rollout engine is built;
         on_update(version, row) before each update's row is logged.
         """
+        failed = True
         try:
-            return self._run(on_engine, on_update)
+            out = self._run(on_engine, on_update)
+            failed = False
+            return out
         finally:
-            self.close()
+            self.close(failed=failed)
 
     def _run(self, on_engine, on_update) -> dict:
         cfg, t = self.cfg, self.cfg.trainer

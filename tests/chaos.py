@@ -51,6 +51,7 @@ class Faults:
 
     def inject(self, name: str, pid: int, sig: int, group: bool = False) -> None:
         """Sends `sig` to `pid` (group: to its process group) and notes the time under `name`."""
+        assert pid > 0, f"{name}: no process to signal (pid {pid})"  # kill(-1) hits every one
         self.at[name], self.pids[name] = time.monotonic(), pid
         (os.killpg if group else os.kill)(pid, sig)
 

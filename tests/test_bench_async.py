@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_async_prints_result_line(tmp_path):
     cmd = [sys.executable, "-m", "launch.bench", "async", "--updates", "2", "--prompts", "2"]
     cmd += ["--group", "2", "--min-tokens", "4", "--max-tokens", "8", "--eta", "1"]
-    cmd += ["--num-eval", "2", "--run-root", str(tmp_path)]
+    cmd += ["--num-eval", "2", "--pack", "32", "--run-root", str(tmp_path)]  # the packed path
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     last = out.stdout.strip().splitlines()[-1]

@@ -257,52 +257,73 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
 
 
-def test_two_learner_hosts_run_in_lockstep(cluster, tmp_path):
+def test_two_learner_hosts_learn_in_lockstep_and_resume(cluster, tmp_path):
     """learner.hosts=2: two learner actors joined by jax.distributed (a 2 x 2 mesh, fsdp across
-    them) train a short run to the end; each logs its host id, the final checkpoint records two
-    writers, every finished episode is trained exactly once, and both actors end with the run."""
-    total = 2
-    cfg = _cfg(
-        str(tmp_path),
-        "hosts",
-        f"trainer.total_updates={total}",
+    them) train; each logs its host id, the checkpoint records two writers, both actors end with
+    the run; `--resume` on two hosts continues from that checkpoint to the end, every finished
+    episode trained exactly once, and held-out accuracy rose (the longtail task: answers of
+    mostly even digits, learnable in a few updates from a random model)."""
+    first, total, P = 4, 10, 8
+    over = [
         "learner.hosts=2",
         "learner.mesh.fsdp=2",
         "learner.mesh.tensor=2",
-    )
+        "task.name=longtail",
+        "task.options={min_tokens: 8, max_tokens: 8}",
+        "task.num_eval=32",
+        f"rollout.prompts_per_update={P}",
+        f"rollout.batch_size={P * N}",
+        f"logging.save_episodes={P * N}",
+        f"trainer.eval_every={first}",
+    ]
+    cfg = _cfg(str(tmp_path), "hosts", f"trainer.total_updates={first}", *over)
     trainer = Trainer(cfg)
     learner = trainer.learner
     assert learner.hosts == 2 and len(set(learner.pids)) == 2
     assert os.getpid() not in learner.pids and len(learner.devices) == 4
     trainer.run()
-    rows = metric_rows(trainer.run_dir)
-    assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
-    assert all(np.isfinite(r["loss/loss"]) for r in rows[1:])
-    trained = trained_episodes(trainer.run_dir)
-    assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    run_dir = trainer.run_dir
     for i, pid in enumerate(learner.pids):
-        with open(os.path.join(trainer.run_dir, "logs", f"learner-{i}.log")) as f:
+        with open(os.path.join(run_dir, "logs", f"learner-{i}.log")) as f:
             text = f.read()
         assert f"learner: pid {pid}, host {i} of 2," in text
         assert f"learner host {1 - i} (pid {learner.pids[1 - i]} on " in text  # the roster
         assert _gone(pid)  # ended with the run
-    ckpt = os.path.join(trainer.run_dir, "checkpoints")
-    layout = os.path.join(ckpt, str(total), "layout", "metadata")
-    with open(layout) as f:
+    with open(os.path.join(run_dir, "checkpoints", str(first), "layout", "metadata")) as f:
         assert '"hosts": 2' in f.read()
+
+    cfg = _cfg(str(tmp_path), "hosts", f"trainer.total_updates={total}", *over)
+    trainer = Trainer(cfg, resume=True)
+    assert trainer.learner.version == first and trainer.learner.hosts == 2
+    trainer.run()
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(total + 1))  # each version exactly once
+    assert all(np.isfinite(r["loss/loss"]) for r in rows[1:])
+    trained = trained_episodes(run_dir)  # raises on any episode trained twice
+    assert sorted(trained) == [(g, i) for g in range(total * P) for i in range(N)]
+    with open(os.path.join(run_dir, "checkpoints", str(total), "layout", "metadata")) as f:
+        assert '"hosts": 2' in f.read()
+    evals = {r["step"]: (r["eval/accuracy"], r["eval/reward"]) for r in rows if "eval/reward" in r}
+    print(f"two learner hosts: held-out (accuracy, reward) by update {evals}")
+    assert evals[total][0] >= evals[0][0] + 0.25, evals
+    assert evals[total][1] >= evals[0][1] + 0.1, evals
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_path):
-    """A rollout worker actor launching and driving a real vLLM host (weights published by the
-    parameter server actor as HF directories); SIGKILL of the host mid-run: the worker fails its
-    health check, is replaced (a new host), the lost groups are re-dispatched, and every
-    finished episode is trained exactly once."""
+    """A rollout worker actor launching and driving a real vLLM host (weights of a two-host
+    learner, gathered to its host 0 and published by the parameter server actor as HF
+    directories); SIGKILL of the host mid-run: the worker fails its health check, is replaced
+    (a new host), the lost groups are re-dispatched, and every finished episode is trained
+    exactly once."""
     total = 4
     cfg = _cfg(
         str(tmp_path),
         "vllm",
+        "learner.hosts=2",
+        "learner.mesh.fsdp=2",
+        "learner.mesh.tensor=2",
         "rollout.engine=vllm",
         "rollout.vllm.ready_timeout_s=400",
         f"trainer.total_updates={total}",
@@ -326,8 +347,8 @@ def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_pa
     assert seen["host_parent"] == seen["worker"] != os.getpid()
     assert seen["host_log"] == os.path.join(trainer.run_dir, "logs", "rollout-0-vllm-0.log")
     assert _gone(seen["host"])
-    pids = {os.getpid(), trainer.learner.pid, seen["pool"].param_server_pid, seen["worker"]}
-    assert len(pids) == 4  # driver, learner, parameter server, rollout worker
+    pids = {os.getpid(), *trainer.learner.pids, seen["pool"].param_server_pid, seen["worker"]}
+    assert len(pids) == 5  # driver, two learner hosts, parameter server, rollout worker
     rows = metric_rows(trainer.run_dir)
     assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
     last = rows[-1]
@@ -335,6 +356,7 @@ def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_pa
     assert "health check" in seen["pool"].lost[0] and "vLLM host" in seen["pool"].lost[0]
     trained = trained_episodes(trainer.run_dir)  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * B) for i in range(N)]
+    assert max(max(d["versions"]) for d in trained.values()) >= 2  # sampled on published ones
     assert last["buffer/trained"] == total * B
     published = sorted(os.listdir(os.path.join(trainer.run_dir, "weights")))
     assert published[-1] == f"v{total:06d}" and "LATEST" in published  # by the param server

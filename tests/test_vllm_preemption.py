@@ -7,14 +7,12 @@ One host is started for the module; both runs connect to it by URL (rollout.vllm
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 from test_preemption import BASE, LONG, preempt_and_resume_keeps_partials
+from vllm_helpers import publish_v0, serving
 
 from rl import config as C
-from rl.param_server import ParamServer
-from rl.rollout.vllm_host import VLLMHost
 from rl.trainer import Trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -29,21 +27,11 @@ def host(tmp_path_factory):
     cfg = C.load(None, [*BASE, *LONG, f"run_root={root}", "name=shape"])
     trainer = Trainer(cfg)
     try:
-        server = ParamServer(
-            os.path.join(root, "weights"),
-            trainer.learner.model.config,
-            tokenizer_dir=trainer.tok_dir,
-            hf_overrides={"eos_token_id": trainer.tokenizer.eos_id},
-        )
-        path0, _ = server.write(0, trainer.learner.params())
+        _, path0 = publish_v0(trainer, root)
     finally:
         trainer.close()
-    h = VLLMHost.launch(path0, log_path=os.path.join(root, "vllm.log"), max_model_len=512)
-    try:
-        h.wait_ready(deadline_s=600)
+    with serving(path0, root) as h:
         yield h
-    finally:
-        h.stop()
 
 
 def test_sigterm_mid_generation_with_vllm_keeps_partials_and_resume_continues_them(host, tmp_path):

@@ -24,13 +24,13 @@ import types
 import numpy as np
 import pytest
 import requests
+from vllm_helpers import publish_v0, serving
 
 from rl import config as C
 from rl.learner import make_batch
-from rl.param_server import ParamServer
 from rl.rollout.base import GenerationRequest, SamplingParams
 from rl.rollout.vllm import VLLMEngine
-from rl.rollout.vllm_host import VLLMError, VLLMHost
+from rl.rollout.vllm_host import VLLMError
 from rl.sft import demo_episode, warm_start_run
 from rl.trainer import Trainer
 from rl.types import Episode
@@ -71,28 +71,20 @@ def served(tmp_path_factory):
         _config(f"sft.steps={K}", "sft.batch_size=32", "rollout.temperature=1.0"),
         run_dir=os.path.join(root, "learner"),
     )
-    server = ParamServer(
-        os.path.join(root, "weights"),
-        trainer.learner.model.config,
-        tokenizer_dir=trainer.tok_dir,
-        hf_overrides={"eos_token_id": trainer.tokenizer.eos_id},
-    )
-    path0, _ = server.write(0, trainer.learner.params())
-    host = VLLMHost.launch(path0, log_path=os.path.join(root, "vllm.log"), max_model_len=512)
     engine = None
     try:
-        host.wait_ready(deadline_s=600)
-        engine = VLLMEngine(
-            [host], version=0, request_timeout_s=120, deadline_s=300, update_timeout_s=60
-        )
-        server.engine_versions["vllm"] = 0
-        yield types.SimpleNamespace(
-            root=root, trainer=trainer, server=server, host=host, engine=engine
-        )
+        server, path0 = publish_v0(trainer, root)
+        with serving(path0, root) as host:
+            engine = VLLMEngine(
+                [host], version=0, request_timeout_s=120, deadline_s=300, update_timeout_s=60
+            )
+            server.engine_versions["vllm"] = 0
+            yield types.SimpleNamespace(
+                root=root, trainer=trainer, server=server, host=host, engine=engine
+            )
     finally:
         if engine is not None:
             engine.close()
-        host.stop()
         _close(trainer)
 
 

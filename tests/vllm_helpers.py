@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import threading
 import time
 
@@ -43,3 +45,31 @@ def run_in_thread(fn):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, box
+
+
+def publish_v0(trainer, root: str):
+    """Version 0 of a trainer's learner published under root/weights: (server, its path)."""
+    from rl.param_server import ParamServer
+
+    server = ParamServer(
+        os.path.join(root, "weights"),
+        trainer.learner.model.config,
+        tokenizer_dir=trainer.tok_dir,
+        hf_overrides={"eos_token_id": trainer.tokenizer.eos_id},
+    )
+    path0, _ = server.write(0, trainer.learner.params())
+    return server, path0
+
+
+@contextlib.contextmanager
+def serving(path: str, root: str, deadline_s: float = 600):
+    """A vLLM host launched on a published directory (log at root/vllm.log), ready; stopped
+    on exit."""
+    from rl.rollout.vllm_host import VLLMHost
+
+    host = VLLMHost.launch(path, log_path=os.path.join(root, "vllm.log"), max_model_len=512)
+    try:
+        host.wait_ready(deadline_s=deadline_s)
+        yield host
+    finally:
+        host.stop()

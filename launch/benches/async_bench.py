@@ -60,6 +60,11 @@ def _overrides(args, mode: str, partial: str, transport: str = "local") -> list[
         f"learner.minibatches={args.minibatches}",
         f"learner.logprob_chunk={args.logprob_chunk}",
         f"learner.micro_batch_size={args.micro_batch}",
+        *(
+            ["learner.pack=true", f"learner.pack_length={args.pack}"]
+            if args.pack
+            else ["learner.pack=false"]
+        ),
         f"trainer.mode={mode}",
         f"trainer.max_staleness={0 if mode == 'sync' else args.eta}",
         f"trainer.partial={partial}",
@@ -287,6 +292,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--micro-batch", type=int, default=0, help="learner.micro_batch_size (0 = whole batch)"
+    )
+    p.add_argument(
+        "--pack",
+        type=int,
+        default=0,
+        help="learner.pack_length: pack samples into rows of this many tokens (0: one sample a "
+        "row, padded to the longest)",
     )
     p.add_argument(
         "--logprob-chunk", type=int, default=0, help="learner.logprob_chunk (large vocabularies)"

@@ -29,17 +29,6 @@ def connect(address: str = "", need_cpus: float = 1.0) -> bool:
     return True
 
 
-def redirect_output(log_path: str) -> None:
-    """Everything the process prints (JAX warnings, tracebacks) goes to log_path."""
-    if not log_path:
-        return
-    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def first_line(e: BaseException) -> str:
     """The innermost cause of a Ray error, on one line."""
     cause = getattr(e, "cause", None) or e

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import time
 
+from rl.distributed import redirect_output
 from rl.learner import LearnerLost
 from rl.placement import pin_threads
-from rl.ray.cluster import redirect_output
 from rl.rollout.base import Weights
 
 GRACE_S = 5.0  # after one host fails, how long the others get to report (a died one is named)

@@ -9,9 +9,10 @@ weights). For vLLM workers it writes each version's HF directory (rl/param_serve
 from __future__ import annotations
 
 import os
+import sys
 import time
 
-from rl.ray.cluster import redirect_output
+from rl.distributed import redirect_output
 
 
 class ParamServerActor:
@@ -83,7 +84,14 @@ class ParamServerActor:
                         raise
                     try:  # still installing, or hung?
                         ray.get(w.ping.remote(), timeout=health)
-                    except ray.exceptions.RayError:
+                    except ray.exceptions.RayError as e:
+                        print(
+                            f"version {version}: rollout worker {i} of this publication left a "
+                            f"ping unanswered for {health:g}s while installing ({type(e).__name__}"
+                            "): killed (its dispatcher replaces it)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         ray.kill(w, no_restart=True)
                         skipped += 1
                         break

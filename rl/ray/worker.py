@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import time
 
+from rl.distributed import redirect_output
 from rl.placement import pin_threads
-from rl.ray.cluster import redirect_output
 
 
 class RolloutActor:

@@ -244,7 +244,7 @@ class JaxEngine:
         self.continuous = continuous
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.config = model.config
-        self.devices = list(devices) if devices else [jax.devices()[0]]
+        self.devices = list(devices) if devices else jax.local_devices()[:1]
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"JaxEngine: devices {self.devices} repeat a device")
         mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))

@@ -84,11 +84,22 @@ def _tokenize(text: str, limits: Limits) -> list[str]:
 
 class _Parser:
     """expr := term (('+'|'-') term)* ; term := unary (('*'|'/') unary)* ;
-    unary := ('+'|'-') unary | atom ; atom := INT | '(' expr ')'."""
+    unary := ('+'|'-') unary | atom ; atom := INT | '(' expr ')'.
+
+    The grammar once; what a parse builds is the subclass's: literal, add, mul, neg.
+    """
 
     def __init__(self, tokens: list[str], limits: Limits):
         self.tokens, self.pos, self.limits = tokens, 0, limits
         self.numbers: list[int] = []
+
+    def parse(self):
+        if not self.tokens:
+            raise ExprSyntaxError("empty expression")
+        value = self.expr(0)
+        if self.peek() is not None:
+            raise ExprSyntaxError(f"unexpected token {self.peek()!r} after a complete expression")
+        return value
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -100,34 +111,21 @@ class _Parser:
         self.pos += 1
         return tok
 
-    def check(self, x: Fraction) -> Fraction:
-        m = self.limits.max_abs
-        if abs(x.numerator) > m or x.denominator > m:
-            raise ExprLimitError(f"intermediate value exceeds {m} in numerator or denominator")
-        return x
-
-    def expr(self, depth: int) -> Fraction:
+    def expr(self, depth: int):
         value = self.term(depth)
         while self.peek() in ("+", "-"):
             op = self.take()
-            rhs = self.term(depth)
-            value = self.check(value + rhs if op == "+" else value - rhs)
+            value = self.add(value, op, self.term(depth))
         return value
 
-    def term(self, depth: int) -> Fraction:
+    def term(self, depth: int):
         value = self.unary(depth)
         while self.peek() in ("*", "/"):
             op = self.take()
-            rhs = self.unary(depth)
-            if op == "*":
-                value = self.check(value * rhs)
-            elif rhs == 0:
-                raise ExprZeroDivisionError("division by zero")
-            else:
-                value = self.check(value / rhs)
+            value = self.mul(value, op, self.unary(depth))
         return value
 
-    def unary(self, depth: int) -> Fraction:
+    def unary(self, depth: int):
         if depth >= self.limits.max_depth:
             raise ExprLimitError(f"nesting deeper than {self.limits.max_depth}")
         tok = self.peek()
@@ -136,10 +134,10 @@ class _Parser:
                 raise ExprSyntaxError(f"unary {tok!r} is not allowed here")
             self.take()
             value = self.unary(depth + 1)
-            return -value if tok == "-" else value
+            return self.neg(value) if tok == "-" else value
         return self.atom(depth)
 
-    def atom(self, depth: int) -> Fraction:
+    def atom(self, depth: int):
         tok = self.take()
         if tok == "(":
             value = self.expr(depth + 1)
@@ -149,8 +147,32 @@ class _Parser:
         if tok[0] in DIGITS:
             n = int(tok)
             self.numbers.append(n)
-            return self.check(Fraction(n))
+            return self.literal(n)
         raise ExprSyntaxError(f"unexpected token {tok!r}")
+
+
+class _Evaluator(_Parser):
+    """Exact values, every intermediate bounded by limits.max_abs."""
+
+    def check(self, x: Fraction) -> Fraction:
+        m = self.limits.max_abs
+        if abs(x.numerator) > m or x.denominator > m:
+            raise ExprLimitError(f"intermediate value exceeds {m} in numerator or denominator")
+        return x
+
+    def literal(self, n: int) -> Fraction:
+        return self.check(Fraction(n))
+
+    def add(self, a: Fraction, op: str, b: Fraction) -> Fraction:
+        return self.check(a + b if op == "+" else a - b)
+
+    def mul(self, a: Fraction, op: str, b: Fraction) -> Fraction:
+        if op == "/" and b == 0:
+            raise ExprZeroDivisionError("division by zero")
+        return self.check(a * b if op == "*" else a / b)
+
+    def neg(self, a: Fraction) -> Fraction:
+        return -a
 
 
 def evaluate_with_numbers(
@@ -159,12 +181,8 @@ def evaluate_with_numbers(
     """Exact value of an integer expression and its integer literals in order; raises ExprError."""
     if not isinstance(text, str):
         raise ExprSyntaxError(f"expression must be a str, got {type(text).__name__}")
-    parser = _Parser(_tokenize(text, limits), limits)
-    if not parser.tokens:
-        raise ExprSyntaxError("empty expression")
-    value = parser.expr(0)
-    if parser.peek() is not None:
-        raise ExprSyntaxError(f"unexpected token {parser.peek()!r} after a complete expression")
+    parser = _Evaluator(_tokenize(text, limits), limits)
+    value = parser.parse()
     return value, tuple(parser.numbers)
 
 
@@ -211,42 +229,20 @@ def _product(factors: list[tuple[int, _Sum]]) -> _Sum:
 
 
 class _CanonicalParser(_Parser):
-    """The evaluator's grammar, building sorted sum-of-products forms instead of values."""
+    """Sorted sum-of-products forms instead of values (the key of twin_key)."""
 
-    def expr(self, depth: int) -> _Sum:
-        terms = list(self.term(depth))
-        while self.peek() in ("+", "-"):
-            sign = 1 if self.take() == "+" else -1
-            terms.extend((s * sign, t) for s, t in self.term(depth))
-        return _sorted_sum(terms)
+    def literal(self, n: int) -> _Sum:
+        return ((1, ((1, str(n)),)),)
 
-    def term(self, depth: int) -> _Sum:
-        factors = [(1, self.unary(depth))]
-        while self.peek() in ("*", "/"):
-            exp = 1 if self.take() == "*" else -1
-            factors.append((exp, self.unary(depth)))
-        return factors[0][1] if len(factors) == 1 else _product(factors)
+    def add(self, a: _Sum, op: str, b: _Sum) -> _Sum:
+        sign = 1 if op == "+" else -1
+        return _sorted_sum([*a, *((s * sign, t) for s, t in b)])
 
-    def unary(self, depth: int) -> _Sum:
-        if depth >= self.limits.max_depth:
-            raise ExprLimitError(f"nesting deeper than {self.limits.max_depth}")
-        tok = self.peek()
-        if tok in ("+", "-"):
-            self.take()
-            value = self.unary(depth + 1)
-            return value if tok == "+" else _sorted_sum((-s, t) for s, t in value)
-        return self.atom(depth)
+    def mul(self, a: _Sum, op: str, b: _Sum) -> _Sum:
+        return _product([(1, a), (1 if op == "*" else -1, b)])
 
-    def atom(self, depth: int) -> _Sum:
-        tok = self.take()
-        if tok == "(":
-            value = self.expr(depth + 1)
-            if self.take() != ")":
-                raise ExprSyntaxError("expected ')'")
-            return value
-        if tok[0] in DIGITS:
-            return ((1, ((1, str(int(tok))),)),)
-        raise ExprSyntaxError(f"unexpected token {tok!r}")
+    def neg(self, a: _Sum) -> _Sum:
+        return _sorted_sum((-s, t) for s, t in a)
 
 
 def twin_key(text: str, limits: Limits = DEFAULT_LIMITS) -> str:
@@ -258,11 +254,6 @@ def twin_key(text: str, limits: Limits = DEFAULT_LIMITS) -> str:
     """
     if not isinstance(text, str):
         raise ExprSyntaxError(f"expression must be a str, got {type(text).__name__}")
-    parser = _CanonicalParser(_tokenize(text, limits), limits)
-    if not parser.tokens:
-        raise ExprSyntaxError("empty expression")
-    value = parser.expr(0)
-    if parser.peek() is not None:
-        raise ExprSyntaxError(f"unexpected token {parser.peek()!r} after a complete expression")
+    value = _CanonicalParser(_tokenize(text, limits), limits).parse()
     negated = _sorted_sum((-s, t) for s, t in value)
     return min(_render_sum(value), _render_sum(negated))
