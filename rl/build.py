@@ -164,12 +164,12 @@ def pack_unit(cfg: C.RunConfig) -> int:
 
 def row_length(cfg: C.RunConfig, task, tokenizer, problems) -> int:
     """The learner's row length: learner.pack_length packed, else the longest episode's bucket
-    (prompt + turns x (generation + observation))."""
+    (prompt + turns x generation + an observation between turns)."""
     if cfg.learner.pack:
         return cfg.learner.pack_length
     prompts = [len(tokenizer.encode(p.prompt)) for p in problems[:64]]
     turns = getattr(task, "max_turns", 1)
-    return bucket(max(prompts) + 8 + turns * (cfg.rollout.max_new_tokens + 32))
+    return bucket(max(prompts) + 8 + turns * cfg.rollout.max_new_tokens + (turns - 1) * 32)
 
 
 def update_batch(cfg: C.RunConfig, groups, *, row_len: int, unit: int):
