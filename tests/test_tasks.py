@@ -326,6 +326,26 @@ def test_arithmetic_reversed_digits():
     assert not task.reward(n, "<answer>82-</answer>").formatted
 
 
+def test_arithmetic_digit_credit():
+    """digit_credit: a wrong, well-formed answer earns format_reward plus digit_credit times the
+    fraction of its written digits that match the right answer's, position by position."""
+    task = get_task("arithmetic", reverse_digits=True, digit_credit=0.5)
+    p = Problem(id="r", prompt="36+73=", answer="109", meta={})  # written "901"
+    assert task.reward(p, "<answer>901</answer>").reward == 1.0
+    assert task.reward(p, "<answer>911</answer>").reward == pytest.approx(0.1 + 0.5 * 2 / 3)
+    assert task.reward(p, "<answer>90</answer>").reward == pytest.approx(0.1 + 0.5 * 2 / 3)
+    assert task.reward(p, "<answer>9011</answer>").reward == pytest.approx(0.1 + 0.5 * 3 / 4)
+    assert task.reward(p, "<answer>123</answer>").reward == pytest.approx(0.1)
+    assert task.reward(p, "<answer>x</answer>").reward == 0.0
+    n = Problem(id="n", prompt="12-40=", answer="-28", meta={})  # written "-82"
+    assert task.reward(n, "<answer>-83</answer>").reward == pytest.approx(0.1 + 0.5 * 2 / 3)
+    plain = get_task("arithmetic", digit_credit=0.5)  # the usual order: compared as written
+    assert plain.reward(p, "<answer>108</answer>").reward == pytest.approx(0.1 + 0.5 * 2 / 3)
+    assert get_task("arithmetic").reward(p, "<answer>108</answer>").reward == 0.1
+    with pytest.raises(ValueError, match=r"digit_credit must be a number in \[0, 1\), got 1"):
+        get_task("arithmetic", digit_credit=1)
+
+
 @pytest.mark.parametrize("use_all", [False, True])
 def test_countdown_problems_and_demonstrations(use_all):
     task = get_task("countdown", use_all=use_all)

@@ -42,6 +42,9 @@ class ArithmeticTask:
     # stays in front): each digit then follows from digits already seen, the order in which
     # small transformers learn addition far faster (Lee et al. 2023).
     reverse_digits: bool = False
+    # Partial credit for a wrong, well-formed answer: this much times the fraction of the answer's
+    # digits written right (position by position, in the written order), on top of format_reward.
+    digit_credit: float = 0.0
 
     name: ClassVar[str] = "arithmetic"
     max_turns: ClassVar[int] = 1
@@ -52,6 +55,10 @@ class ArithmeticTask:
         check_common(self)
         if not (isinstance(self.digits, int) and 1 <= self.digits <= 9):
             raise ValueError(f"arithmetic: digits must be an int in 1..9, got {self.digits!r}")
+        if not (isinstance(self.digit_credit, (int, float)) and 0 <= self.digit_credit < 1):
+            raise ValueError(
+                f"arithmetic: digit_credit must be a number in [0, 1), got {self.digit_credit!r}"
+            )
         bad = [op for op in self.ops if op not in OPS]
         if not self.ops or bad:
             raise ValueError(f"arithmetic: ops {self.ops!r} invalid; choose from {tuple(OPS)}")
@@ -79,12 +86,21 @@ class ArithmeticTask:
         value = None if content is None else parse_int(content)
         if value is None:
             return ZERO
-        return score(value == int(problem.answer), True, self.format_reward)
+        got = score(value == int(problem.answer), True, self.format_reward)
+        if got.correct or not self.digit_credit:
+            return got
+        written = extract_answer(completion).strip()
+        want = self.demonstration_answer(problem.answer)
+        right = sum(a == b for a, b in zip(written, want)) / max(len(written), len(want))
+        return dataclasses.replace(got, reward=got.reward + self.digit_credit * right)
+
+    def demonstration_answer(self, answer: str) -> str:
+        """An answer as the model writes it (digits reversed with reverse_digits)."""
+        return _reverse_digits(answer) if self.reverse_digits else answer
 
     def demonstration(self, problem: Problem) -> str:
         """The correct completion (eos not included)."""
-        answer = _reverse_digits(problem.answer) if self.reverse_digits else problem.answer
-        return f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
+        return f"{ANSWER_OPEN}{self.demonstration_answer(problem.answer)}{ANSWER_CLOSE}"
 
     def env_step(self, problem: Problem, transcript: str) -> str | None:
         """Single turn: the episode ends after the model's first turn."""
