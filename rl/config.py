@@ -127,6 +127,13 @@ class SFTSection:
     continue_optimizer: bool = F(
         False, "RL keeps the warm start's optimizer moments (one optimizer for both stages)"
     )
+    target_accuracy: float = F(
+        0.0,
+        "end the warm start once greedy accuracy on training problems reaches this (checked "
+        "every check_every steps; steps is then the cap); 0 = run all steps",
+    )
+    check_every: int = F(10, "warm-start steps between target_accuracy checks")
+    probe_size: int = F(256, "training problems decoded by each target_accuracy check")
 
 
 @dataclasses.dataclass
@@ -493,6 +500,19 @@ def _check_ranges(cfg: RunConfig) -> None:
         )
     positive("optim.lr", cfg.optim.lr)
     positive("sft.steps", cfg.sft.steps, allow_zero=True)
+    positive("sft.check_every", cfg.sft.check_every)
+    positive("sft.probe_size", cfg.sft.probe_size)
+    if not 0.0 <= cfg.sft.target_accuracy <= 1.0:
+        raise ConfigError(
+            f"sft.target_accuracy: invalid value {cfg.sft.target_accuracy!r}; must be in [0, 1] "
+            f"(0 = run all sft.steps)"
+        )
+    if cfg.sft.target_accuracy and (cfg.trainer.transport == "ray" or cfg.learner.hosts > 1):
+        raise ConfigError(
+            f"sft.target_accuracy: invalid value {cfg.sft.target_accuracy!r} with "
+            f"trainer.transport={cfg.trainer.transport!r}, learner.hosts={cfg.learner.hosts}: "
+            f"the accuracy probe needs the learner in this process; set sft.target_accuracy: 0"
+        )
     positive("algorithm.clip_eps", cfg.algorithm.clip_eps)
     positive("algorithm.is_cap", cfg.algorithm.is_cap)
     positive("learner.minibatches", cfg.learner.minibatches)

@@ -44,51 +44,100 @@ def demo_episode(task, tokenizer, problem) -> Episode:
 
 
 def warm_start(
-    learner, task, tokenizer, sft, *, rl_step: StepConfig, sft_tx=None, rl_tx=None, stop=None
+    learner,
+    task,
+    tokenizer,
+    sft,
+    *,
+    rl_step: StepConfig,
+    sft_tx=None,
+    rl_tx=None,
+    stop=None,
+    probe=None,
 ):
     """Runs sft.steps supervised steps, then leaves the learner at version 0 on the RL step.
 
     sft_tx / rl_tx: fresh optimizers for the two stages (None: one optimizer continues).
     stop(): checked between steps; when it returns a reason, Stopped(reason) is raised.
+    probe(): greedy accuracy of the current weights on training problems; with
+    sft.target_accuracy > 0 it runs every sft.check_every steps and the warm start ends once it
+    reaches the target (sft.steps is then the cap).
     Returns (summary metrics, loss curve [(step, loss)]).
     """
     learner.set_step_cfg(StepConfig(loss="sft", temperature=1.0))
     if sft_tx is not None:
         learner.reset_optimizer(sft_tx)
     problems = task.problems("train", sft.steps * sft.batch_size)
-    row_len = None
+    # One row length for the whole warm start: the longest demonstration's bucket (one program)
+    row_len = bucket(max(len(demo_episode(task, tokenizer, p).tokens) for p in problems))
     t0 = time.perf_counter()
     loss = float("nan")
     curve: list[tuple[int, float]] = []
+    target = getattr(sft, "target_accuracy", 0.0)
+    if target and probe is None:
+        raise ValueError("sft.target_accuracy > 0 needs a probe of the warm start's accuracy")
+    steps, accuracy = sft.steps, None
     for step in range(sft.steps):
         if stop is not None and stop():
             raise Stopped(stop())
         chunk = problems[step * sft.batch_size : (step + 1) * sft.batch_size]
         eps = [demo_episode(task, tokenizer, p) for p in chunk]
-        if row_len is None:
-            row_len = bucket(max(len(e.tokens) for e in eps) + 8)
         met = learner.update(make_batch(eps, np.zeros(len(eps)), row_len=row_len))
         loss = met["loss"]
         if step % 25 == 0 or step == sft.steps - 1:
             curve.append((step, loss))
+        if target and (step + 1) % sft.check_every == 0:
+            accuracy = probe()
+            if accuracy >= target:
+                steps = step + 1
+                break
     learner.version = 0
     learner.set_step_cfg(rl_step)
     if rl_tx is not None:
         learner.reset_optimizer(rl_tx)
-    summary = {"sft/loss": loss, "sft/time": time.perf_counter() - t0, "sft/steps": sft.steps}
+    summary = {"sft/loss": loss, "sft/time": time.perf_counter() - t0, "sft/steps": steps}
+    if accuracy is not None:
+        summary["sft/probe_accuracy"] = accuracy
     return summary, curve
+
+
+def accuracy_probe(cfg, learner, task, tokenizer):
+    """(probe(), close()): greedy accuracy of the learner's current weights on
+    cfg.sft.probe_size training problems (past the warm start's own), in an in-process sampler."""
+    from rl.evaluate import evaluate
+
+    engine = build.make_eval_engine(cfg, learner)
+    n = cfg.sft.steps * cfg.sft.batch_size
+    problems = task.problems("train", n + cfg.sft.probe_size)[n:]
+    params = build.sampling(cfg, greedy=True)
+    calls = [0]
+
+    def probe() -> float:
+        calls[0] += 1
+        engine.update_weights(calls[0], learner.weights())
+        return evaluate(engine, task, tokenizer, problems, params)["eval/accuracy"]
+
+    return probe, engine.close
 
 
 def warm_start_run(cfg, learner, task, tokenizer, stop=None):
     """The run's warm start (cfg.sft), with the run's optimizers for both stages."""
     fresh = not cfg.sft.continue_optimizer
-    return warm_start(
-        learner,
-        task,
-        tokenizer,
-        cfg.sft,
-        rl_step=build.rl_step_cfg(cfg),
-        sft_tx=build.sft_optimizer(cfg) if fresh else None,
-        rl_tx=build.rl_optimizer(cfg) if fresh else None,
-        stop=stop,
-    )
+    probe, close = (None, None)
+    if cfg.sft.target_accuracy:
+        probe, close = accuracy_probe(cfg, learner, task, tokenizer)
+    try:
+        return warm_start(
+            learner,
+            task,
+            tokenizer,
+            cfg.sft,
+            rl_step=build.rl_step_cfg(cfg),
+            sft_tx=build.sft_optimizer(cfg) if fresh else None,
+            rl_tx=build.rl_optimizer(cfg) if fresh else None,
+            stop=stop,
+            probe=probe,
+        )
+    finally:
+        if close is not None:
+            close()

@@ -108,6 +108,14 @@ def test_resolved_config_round_trips(tmp_path):
             ["trainer.rollout_hang_s=700", "trainer.deadline_s=600"],
             ["trainer.rollout_hang_s", "700", "trainer.deadline_s (600.0)"],
         ),
+        # a warm-start accuracy target out of range, or without the learner in this process
+        ("", ["sft.target_accuracy=1.5"], ["sft.target_accuracy", "1.5", "[0, 1]"]),
+        (
+            "",
+            ["sft.target_accuracy=0.2", "trainer.transport=ray"],
+            ["sft.target_accuracy", "0.2", "'ray'", "set sft.target_accuracy: 0"],
+        ),
+        ("", ["sft.check_every=0"], ["sft.check_every", "0", "must be > 0"]),
         # 16. packing with a per-sequence aggregation
         (
             "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",

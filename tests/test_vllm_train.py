@@ -44,7 +44,6 @@ if importlib.util.find_spec("vllm") is None:  # an error, never a skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_YAML = os.path.join(ROOT, "configs", "vllm.yaml")
-DEFAULT_YAML = os.path.join(ROOT, "configs", "default.yaml")
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.save_episodes=0"]
 K = 20  # learner updates before the publication tested by numbers
 TOL = 1e-3  # float32 vLLM vs our JAX model; a stale reload is off by far more
@@ -52,10 +51,8 @@ N_SEQ = 8  # fixed token sequences scored by both
 
 
 def _config(*overrides: str) -> C.RunConfig:
-    """configs/vllm.yaml + overrides, with the RL optimizer of configs/default.yaml."""
-    cfg = C.load(VLLM_YAML, [*QUIET, *overrides])
-    cfg.optim = C.load(DEFAULT_YAML).optim
-    return cfg
+    """configs/vllm.yaml + overrides."""
+    return C.load(VLLM_YAML, [*QUIET, *overrides])
 
 
 def _close(trainer: Trainer) -> None:
