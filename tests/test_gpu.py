@@ -168,7 +168,7 @@ def test_device_split_async_trainer(tmp_path):
 
 def test_short_run_learns(tmp_path):
     """The main job's recipe, shortened: RL raises held-out accuracy on a GPU."""
-    over = [*RUN, f"run_root={tmp_path}", "name=learn", "trainer.total_updates=40"]
+    over = [*RUN, f"run_root={tmp_path}", "name=learn", "trainer.total_updates=100"]
     summary = Trainer(C.load(DEFAULT, over)).run()
     start, end = summary["eval/accuracy_start"], summary["eval/accuracy_end"]
     print(f"held-out accuracy {start:.3f} -> {end:.3f}")
