@@ -88,8 +88,9 @@ def _until_rows(proc, run_dir, n: int, deadline_s: float = 240) -> None:
     raise AssertionError(f"no {n} metric rows within {deadline_s} s")
 
 
-def _preempt(cmd, run_dir, rows: int) -> tuple[int, float]:
-    """Runs `cmd`, sends SIGTERM once metrics.jsonl has `rows` rows, and checks the preemption:
+def _preempt(cmd, run_dir, rows: int, delay_s: float = 0.0) -> tuple[int, float]:
+    """Runs `cmd`, sends SIGTERM `delay_s` after metrics.jsonl has `rows` rows, and checks the
+    preemption:
     exit 0 within trainer.preempt_deadline_s, the last line naming the version it stopped at.
     Returns (that version, seconds from the signal to the exit)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -97,6 +98,7 @@ def _preempt(cmd, run_dir, rows: int) -> tuple[int, float]:
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     _until_rows(proc, run_dir, rows)
+    time.sleep(delay_s)
     proc.send_signal(signal.SIGTERM)
     t_sig = time.perf_counter()
     _, err = proc.communicate(timeout=90)
@@ -133,14 +135,23 @@ def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_pa
 # -- nothing lost: groups in flight at the preemption are continued at resume ----------------
 
 LONG_TOKENS = 128
-LONG = [  # every rollout generates exactly LONG_TOKENS tokens: generation is in flight
-    "task.name=longtail",
-    f"task.options={{min_tokens: {LONG_TOKENS}, max_tokens: {LONG_TOKENS}}}",
-    f"rollout.max_new_tokens={LONG_TOKENS}",
-]
 
 
-def preempt_and_resume_keeps_partials(tmp_path, *extra, total: int = 3) -> dict:
+def long_generations(tokens: int = LONG_TOKENS) -> list[str]:
+    """Overrides that make every rollout generate exactly `tokens` tokens."""
+    return [
+        "task.name=longtail",
+        f"task.options={{min_tokens: {tokens}, max_tokens: {tokens}}}",
+        f"rollout.max_new_tokens={tokens}",
+    ]
+
+
+LONG = long_generations()
+
+
+def preempt_and_resume_keeps_partials(
+    tmp_path, *extra, total: int = 3, tokens: int = LONG_TOKENS, delay_s: float = 0.0
+) -> dict:
     """SIGTERM while groups are being generated, then --resume; checks that the preemption's
     checkpoint holds the unfinished groups' partial state and that each is trained with its
     saved tokens, log-probs and versions unchanged and its generation continued after them.
@@ -151,8 +162,8 @@ def preempt_and_resume_keeps_partials(tmp_path, *extra, total: int = 3) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # async (staleness 1): groups for the next update are dispatched ahead, and LONG_TOKENS
     # decode steps each keep them in flight while the learner trains
-    cmd = _train(tmp_path, *LONG, f"trainer.total_updates={total}", *extra)
-    stopped_at, took = _preempt(cmd, run_dir, 2)  # after update 1: next groups in flight
+    cmd = _train(tmp_path, *long_generations(tokens), f"trainer.total_updates={total}", *extra)
+    stopped_at, took = _preempt(cmd, run_dir, 2, delay_s)  # after update 1: next groups in flight
     while True:
         assert 1 <= stopped_at < total
         ckpt = Checkpointer(str(run_dir / "checkpoints"))
@@ -172,8 +183,9 @@ def preempt_and_resume_keeps_partials(tmp_path, *extra, total: int = 3) -> dict:
             break
         # The signal fell between generations (the next groups not yet started: a fast machine);
         # timing, not a fault: the resumed run is preempted again one update later.
-        assert stopped_at + 1 < total, f"nothing in flight at any preemption: {saved}"
-        stopped_at, took = _preempt([*cmd, "--resume"], run_dir, stopped_at + 2)
+        # (the signal after update stopped_at + 1 must leave an update for the stop to precede)
+        assert stopped_at + 2 < total, f"nothing in flight at any preemption: {saved}"
+        stopped_at, took = _preempt([*cmd, "--resume"], run_dir, stopped_at + 2, delay_s)
 
     again = subprocess.run(
         [*cmd, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
@@ -194,7 +206,7 @@ def preempt_and_resume_keeps_partials(tmp_path, *extra, total: int = 3) -> dict:
         assert e["behavior_logp"][:n] == s.behavior_logp.tolist(), (g, i)
         assert e["token_versions"][:n] == s.versions.tolist(), (g, i)
         new_versions = e["token_versions"][n:]
-        assert len(e["token_ids"]) == s.prompt_len + LONG_TOKENS, (g, i)  # its whole budget
+        assert len(e["token_ids"]) == s.prompt_len + tokens, (g, i)  # its whole budget
         assert new_versions and min(new_versions) >= stopped_at, (g, i)
         continued += s.num_generated > 0
     assert continued, "no partial sample with tokens was trained after the resume"
@@ -206,6 +218,10 @@ def test_sigterm_mid_generation_keeps_partials_and_resume_continues_them(tmp_pat
     """Nothing lost (the JAX engine, trainer.partial=drain): SIGTERM with long generations in
     flight; the checkpoint holds their partial state and the resumed run continues them
     (test_vllm_preemption: the same with a vLLM host under `continue`)."""
-    # four updates: with the signal after update 1, updates are left whose groups are in flight
-    got = preempt_and_resume_keeps_partials(tmp_path, "trainer.partial=drain", total=4)
+    # four updates: with the signal after update 1, updates are left whose groups are in flight.
+    # The sampler decodes these tiny rows faster than the learner trains them and then waits to
+    # be admitted; long generations and a signal a moment after the publication land mid-round.
+    got = preempt_and_resume_keeps_partials(
+        tmp_path, "trainer.partial=drain", total=4, tokens=384, delay_s=0.3
+    )
     print(f"jax engine, drain: {got}")

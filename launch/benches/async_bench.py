@@ -102,16 +102,14 @@ def _warm_engine(engine, trainer, args) -> None:
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
-    from rl.rollout.jax_engine import FINE_LEN_BUCKETS, LEN_BUCKETS, length_bucket
+    from rl.rollout.jax_engine import LEN_BUCKETS, length_bucket
 
     prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
     rows = args.prompts * args.group
-    # Every cache length of either engine kind (on a CPU the cache steps through finer ones).
-    buckets = tuple(sorted(set(LEN_BUCKETS) | set(FINE_LEN_BUCKETS)))
-    lo = length_bucket(args.min_tokens, buckets)
-    hi = length_bucket(args.max_tokens, buckets)
+    lo = length_bucket(args.min_tokens, LEN_BUCKETS)
+    hi = length_bucket(args.max_tokens, LEN_BUCKETS)
     prev = 0
-    for b in buckets:
+    for b in LEN_BUCKETS:
         if lo <= b <= hi:
             longest = min(prev + 1, args.max_tokens) if prev else min(b, args.max_tokens)
             reqs = [
