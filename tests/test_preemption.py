@@ -219,9 +219,16 @@ def test_sigterm_mid_generation_keeps_partials_and_resume_continues_them(tmp_pat
     flight; the checkpoint holds their partial state and the resumed run continues them
     (test_vllm_preemption: the same with a vLLM host under `continue`)."""
     # four updates: with the signal after update 1, updates are left whose groups are in flight.
-    # The sampler decodes these tiny rows faster than the learner trains them and then waits to
-    # be admitted; long generations and a signal a moment after the publication land mid-round.
+    # Sync: the learner waits for the groups while they are generated, so a signal a moment after
+    # an update stops the run at once, mid-generation (async, the learner may finish its update
+    # while the fast sampler finishes its groups, and nothing is left in flight to keep).
     got = preempt_and_resume_keeps_partials(
-        tmp_path, "trainer.partial=drain", total=4, tokens=384, delay_s=0.3
+        tmp_path,
+        "trainer.partial=drain",
+        "trainer.mode=sync",
+        "trainer.max_staleness=0",
+        total=4,
+        tokens=384,
+        delay_s=0.3,
     )
     print(f"jax engine, drain: {got}")
