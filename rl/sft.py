@@ -68,20 +68,20 @@ def warm_start(
     if sft_tx is not None:
         learner.reset_optimizer(sft_tx)
     problems = task.problems("train", sft.steps * sft.batch_size)
+    demos = [demo_episode(task, tokenizer, p) for p in problems]
     # One row length for the whole warm start: the longest demonstration's bucket (one program)
-    row_len = bucket(max(len(demo_episode(task, tokenizer, p).tokens) for p in problems))
+    row_len = bucket(max(len(e.tokens) for e in demos))
     t0 = time.perf_counter()
     loss = float("nan")
     curve: list[tuple[int, float]] = []
-    target = getattr(sft, "target_accuracy", 0.0)
+    target = sft.target_accuracy
     if target and probe is None:
         raise ValueError("sft.target_accuracy > 0 needs a probe of the warm start's accuracy")
     steps, accuracy = sft.steps, None
     for step in range(sft.steps):
         if stop is not None and stop():
             raise Stopped(stop())
-        chunk = problems[step * sft.batch_size : (step + 1) * sft.batch_size]
-        eps = [demo_episode(task, tokenizer, p) for p in chunk]
+        eps = demos[step * sft.batch_size : (step + 1) * sft.batch_size]
         met = learner.update(make_batch(eps, np.zeros(len(eps)), row_len=row_len))
         loss = met["loss"]
         if step % 25 == 0 or step == sft.steps - 1:
