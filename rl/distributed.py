@@ -27,6 +27,7 @@ ENV_ADDRESS, ENV_PROCESSES, ENV_PROCESS_ID = (
     "JAX_PROCESS_ID",
 )
 POLL_S = 0.01  # how often a lockstep wait looks at its outputs
+PEER_CHECK_S = 0.5  # how often a wait looks for peers of this node that have ended
 
 
 class HostLost(RuntimeError):
@@ -246,6 +247,12 @@ def process_devices(devices_per_host: int) -> list:
     return out
 
 
+def _dead_peers_here() -> list[Host]:
+    """The other hosts of this node whose process has ended (a pid check; no network)."""
+    me = _group.hosts[_group.me]
+    return [h for h in _group.hosts if h.node == me.node and h is not me and not _running(h.pid)]
+
+
 def _lost_hosts() -> list[Host]:
     """The peers known to be gone: the coordinator's view, and pids checked on this node."""
     me = _group.hosts[_group.me]
@@ -257,9 +264,7 @@ def _lost_hosts() -> list[Host]:
     except Exception:  # noqa: BLE001 - the coordination service itself is gone (process 0)
         live = set(ids) - {0}
     lost = set(ids) - live if live is not None else set()
-    for h in _group.hosts:
-        if h.node == me.node and h.process_id != me.process_id and not _running(h.pid):
-            lost.add(h.process_id)
+    lost |= {h.process_id for h in _dead_peers_here()}
     return [h for h in _group.hosts if h.process_id in lost and h.process_id != me.process_id]
 
 
@@ -315,11 +320,16 @@ def wait(tree, what: str):
     import jax
 
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    t0 = time.monotonic()
+    t0 = checked = time.monotonic()
     try:
         while not all(x.is_ready() for x in leaves):
-            if time.monotonic() - t0 > _group.deadline_s:
+            now = time.monotonic()
+            if now - t0 > _group.deadline_s:
                 raise lost_error(f"{what}: no result within {_group.deadline_s:g}s")
+            if now - checked > PEER_CHECK_S:  # a collective may wait on a dead peer unawares
+                checked = now
+                if _dead_peers_here():
+                    raise lost_error(what)
             time.sleep(POLL_S)
         for x in leaves:  # raises the computation's own error (a collective that lost a peer)
             x.block_until_ready()
