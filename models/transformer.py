@@ -216,29 +216,37 @@ class Decoder(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer, each [L, B, S, num_kv_heads, head_dim]; slot s = position
-    s."""
+    """Keys and values, one array per layer: k[i] [B, num_kv_heads, head_dim, S] and v[i]
+    [B, num_kv_heads, S, head_dim]; slot s = position s.
 
-    k: jax.Array
-    v: jax.Array
+    Keys hold the positions minor and values the head dim, so a decode step's q.k and p.v are
+    plain batched matmuls over the layer's own buffer (on a CPU, a cache laid out otherwise is
+    transposed and copied whole in every step).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    K_POS, V_POS = 3, 2  # the position axis of each layer's k and v
 
     @property
     def max_len(self) -> int:
         """Number of slots S."""
-        return self.k.shape[2]
+        return self.v[0].shape[self.V_POS]
+
+    def map(self, f, *others: KVCache) -> KVCache:
+        """f(array, *other arrays, position axis) over every layer's k and v."""
+        k = tuple(f(*a, self.K_POS) for a in zip(self.k, *(o.k for o in others)))
+        v = tuple(f(*a, self.V_POS) for a in zip(self.v, *(o.v for o in others)))
+        return KVCache(k=k, v=v)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An all-zero KV cache for `batch` rows of up to `max_len` positions."""
-    shape = (
-        config.num_hidden_layers,
-        batch,
-        max_len,
-        config.num_key_value_heads,
-        config.head_dim,
-    )
+    L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     dtype = dtype or config.dtype
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    zeros = lambda *shape: tuple(jnp.zeros(shape, dtype) for _ in range(L))
+    return KVCache(k=zeros(batch, K, H, max_len), v=zeros(batch, K, max_len, H))
 
 
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
@@ -265,30 +273,42 @@ def _scan_layers(layers: DecoderLayer, body, carry, xs=None, *, remat: str = "no
     return jax.lax.scan(step, carry, (state, xs))
 
 
-def _write_slot(cache_LBSKH, new_B1KH, layer, positions_B) -> jax.Array:
-    """The cache with layer `layer`'s slot positions_B[b] of row b set to new_B1KH[b].
-
-    One scatter with the rows as its batching dimension: written in place in the layout it has
-    (a vmapped update moves the rows to the front: whole-cache transposes in every layer).
-    """
-    B = positions_B.shape[0]
-    index_B2 = jnp.stack([jnp.full((B,), layer, jnp.int32), positions_B.astype(jnp.int32)], 1)
+def _write_slot(cache, new_BKH, positions_B, axis: int) -> jax.Array:
+    """One layer's cache [B, ...] with position positions_B[b] (on `axis`) of row b set to
+    new_BKH[b]: one scatter with the rows as its batching dimension, written in place."""
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=(1, 2),  # updates [B, K, H]: K and H are the window
-        inserted_window_dims=(0, 2),  # one layer, one slot
-        scatter_dims_to_operand_dims=(0, 2),
-        operand_batching_dims=(1,),
+        inserted_window_dims=(axis,),  # one position
+        scatter_dims_to_operand_dims=(axis,),
+        operand_batching_dims=(0,),
         scatter_indices_batching_dims=(0,),
     )
     return jax.lax.scatter(
-        cache_LBSKH,
-        index_B2,
-        new_B1KH[:, 0].astype(cache_LBSKH.dtype),
+        cache,
+        positions_B.astype(jnp.int32)[:, None],
+        new_BKH.astype(cache.dtype),
         dims,
         indices_are_sorted=True,
         unique_indices=True,
         mode=jax.lax.GatherScatterMode.CLIP,
     )
+
+
+def _decode_attention(q_BNH, k_BKHS, v_BKSH, valid_BS) -> jax.Array:
+    """One query row per sequence over its cache (GQA): o [B, N, H], as
+    jax.nn.dot_product_attention's xla path computes it (float32 logits and softmax)."""
+    B, N, H = q_BNH.shape
+    K = k_BKHS.shape[1]
+    q = q_BNH.reshape(B, K, N // K, H)
+    k_BKHS, v_BKSH = k_BKHS.astype(q.dtype), v_BKSH.astype(q.dtype)
+    f32 = jnp.promote_types(q.dtype, jnp.float32)
+    logits = jnp.einsum("bkgh,bkhs->bkgs", q, k_BKHS, preferred_element_type=f32)
+    logits = logits * jnp.array(1.0 / np.sqrt(H), f32)
+    big_neg = -0.7 * jnp.finfo(f32).max
+    logits = jnp.where(valid_BS[:, None, None, :], logits, big_neg)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v_BKSH.dtype)
+    o = jnp.einsum("bkgs,bksh->bkgh", probs, v_BKSH)
+    return o.reshape(B, N, H).astype(q_BNH.dtype)
 
 
 def _precise(method):
@@ -399,7 +419,7 @@ class Transformer(nnx.Module):
         def attend(q, k, v):
             o = attention(q, k, v, segment_ids=None, implementation=impl)
             keep = lambda a, c: jnp.where(valid_BT11, a, 0).astype(c.dtype)
-            return o, (keep(k, cache.k), keep(v, cache.v))
+            return o, (keep(k, cache.v[0]), keep(v, cache.v[0]))
 
         def body(layer: DecoderLayer, x_BTD, _):
             return layer(x_BTD, rope, attend)
@@ -407,8 +427,11 @@ class Transformer(nnx.Module):
         x_BTD = self.model.embed_tokens(tokens)
         x_BTD, (k_LBTKH, v_LBTKH) = _scan_layers(self.model.layers, body, x_BTD)
         h_BTD = self.model.norm(x_BTD)
-        write = lambda c, new: jax.lax.dynamic_update_slice(c, new, (0,) * c.ndim)
-        cache = KVCache(k=write(cache.k, k_LBTKH), v=write(cache.v, v_LBTKH))
+        new = KVCache(
+            k=tuple(jnp.transpose(k_LBTKH, (0, 1, 3, 4, 2))),  # [B, K, H, T] per layer
+            v=tuple(jnp.transpose(v_LBTKH, (0, 1, 3, 2, 4))),  # [B, K, T, H]
+        )
+        cache = cache.map(lambda c, x, _: jax.lax.dynamic_update_slice(c, x, (0,) * c.ndim), new)
         if last_only:
             h_B1D = jnp.take_along_axis(h_BTD, (lengths - 1)[:, None, None], axis=1)
             return self._logits(h_B1D)[:, 0], cache
@@ -433,39 +456,25 @@ class Transformer(nnx.Module):
         Row b attends to cache slots <= positions[b]; positions must be < cache.max_len.
         layers: per_layer()'s modules, for a caller that decodes many steps with the same
         weights (each step then reads every layer's weights in place, without slicing them
-        out of the stacked parameters).
+        out of the stacked parameters); the layers are unrolled either way (one cache array
+        per layer).
         """
         S = cache.max_len
         rope = rotary(self.config, positions[:, None])
-        mask_B11S = (jnp.arange(S)[None, :] <= positions[:, None])[:, None, None, :]
-
-        def body(layer: DecoderLayer, carry, i):
-            x_B1D, k_LBSKH, v_LBSKH = carry
-
-            def attend(q, k, v):
-                # Only the new slots are written, in place in the carried cache; layer i's
-                # slice is then read whole for the attention.
-                ks = _write_slot(k_LBSKH, k, i, positions)
-                vs = _write_slot(v_LBSKH, v, i, positions)
-                o = jax.nn.dot_product_attention(  # one query row: plain XLA attention
-                    q,
-                    ks[i].astype(q.dtype),
-                    vs[i].astype(q.dtype),
-                    mask=mask_B11S,
-                    implementation="xla",
-                )
-                return o, (ks, vs)
-
-            x_B1D, (k_LBSKH, v_LBSKH) = layer(x_B1D, rope, attend)
-            return (x_B1D, k_LBSKH, v_LBSKH), None
-
-        x_B1D = self.model.embed_tokens(tokens[:, None])
-        carry = (x_B1D, cache.k, cache.v)
+        valid_BS = jnp.arange(S)[None, :] <= positions[:, None]
         if layers is None:
-            (x_B1D, k, v), _ = _scan_layers(self.model.layers, body, carry)
-        else:  # one module per layer: no weight slicing in the step
-            for i, layer in enumerate(layers):
-                carry, _ = body(layer, carry, i)
-            x_B1D, k, v = carry
+            layers = self.per_layer()
+        ks, vs = list(cache.k), list(cache.v)
+        x_B1D = self.model.embed_tokens(tokens[:, None])
+        for i, layer in enumerate(layers):
+
+            def attend(q, k, v, i=i):
+                # Only the new slots are written, in place in the layer's own buffers.
+                ks[i] = _write_slot(ks[i], k[:, 0], positions, KVCache.K_POS)
+                vs[i] = _write_slot(vs[i], v[:, 0], positions, KVCache.V_POS)
+                o = _decode_attention(q[:, 0], ks[i], vs[i], valid_BS)
+                return o[:, None], None
+
+            x_B1D, _ = layer(x_B1D, rope, attend)
         logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
-        return logits_BV, KVCache(k=k, v=v)
+        return logits_BV, KVCache(k=tuple(ks), v=tuple(vs))

@@ -53,7 +53,7 @@ def test_bfloat16_params_and_compute():
     assert 0 < diff < 0.1 * float(jnp.abs(ref).max())
 
     cache = init_cache(bf16.config, 2, 12)
-    assert cache.k.dtype == cache.v.dtype == jnp.bfloat16
+    assert {a.dtype for a in jax.tree.leaves(cache)} == {jnp.dtype(jnp.bfloat16)}
     lengths = jnp.array([8, 5])
     _, cache = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))(bf16, tokens, lengths, cache)
     step, cache = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))(bf16, tokens[:, 0], lengths, cache)

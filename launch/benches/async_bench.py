@@ -102,14 +102,16 @@ def _warm_engine(engine, trainer, args) -> None:
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
-    from rl.rollout.jax_engine import LEN_BUCKETS, length_bucket
+    from rl.rollout.jax_engine import FINE_LEN_BUCKETS, LEN_BUCKETS, length_bucket
 
     prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
     rows = args.prompts * args.group
-    lo = length_bucket(args.min_tokens, LEN_BUCKETS)
-    hi = length_bucket(args.max_tokens, LEN_BUCKETS)
+    # Every cache length of either engine kind (on a CPU the cache steps through finer ones).
+    buckets = tuple(sorted(set(LEN_BUCKETS) | set(FINE_LEN_BUCKETS)))
+    lo = length_bucket(args.min_tokens, buckets)
+    hi = length_bucket(args.max_tokens, buckets)
     prev = 0
-    for b in LEN_BUCKETS:
+    for b in buckets:
         if lo <= b <= hi:
             longest = min(prev + 1, args.max_tokens) if prev else min(b, args.max_tokens)
             reqs = [
@@ -271,6 +273,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group", type=int, default=4, help="samples per prompt")
     p.add_argument("--eta", type=int, default=2, help="max_staleness of the async run")
     p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="updates before the timed window (default and least: eta + 1; more lets every "
+        "program shape compile before it, e.g. the longer prefills of continued partials)",
+    )
+    p.add_argument(
         "--partial", default="drain", help="async in-flight policy: drain, continue or both"
     )
     p.add_argument(
@@ -392,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.group < 2 or args.eta < 0:
         print("--group must be >= 2 and --eta >= 0", file=sys.stderr)
         return 2
-    args.warmup = args.eta + 1
+    if args.warmup and args.warmup < args.eta + 1:
+        print(f"--warmup={args.warmup}: must be >= eta + 1 = {args.eta + 1}", file=sys.stderr)
+        return 2
+    args.warmup = args.warmup or args.eta + 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.rollout_devices:  # one process; the trainer validates the indices
         if transports != ["local"]:

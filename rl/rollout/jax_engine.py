@@ -9,6 +9,10 @@ callers. On an accelerator one chunk stays in flight while the host reads the pr
 freed slot is refilled one chunk sooner instead.
 A finished row's slot takes the next waiting request at once; `continuous=False` admits only
 into an empty batch (static batching, the baseline of `launch.bench sampler --workload longtail`).
+On a CPU a step costs per row and per cache position, so there the slots follow the demand
+(compacted once it fits in half), the cache follows the longest row in finer length buckets, and
+a chunk ends early on the device (`early_exit`) once no row is live or, with requests waiting,
+once an eighth of the slots finished.
 
 Shapes are bucketed (slots, cache length, prefill batch and prompt length), so a run compiles a
 handful of programs. The cache grows and shrinks with the longest live row, so a decode step
@@ -69,8 +73,14 @@ def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
 # Prompt and cache lengths: powers of two, then steps of 1.5x (a step attends over at most a
 # third more positions than it needs, for a handful more compiled programs).
 LEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# The cache where slots follow demand (CPU): a step there costs per row and per position, so
+# lengths step by 1.25-1.5x (a long row's cache is at most a quarter more than it needs).
+FINE_LEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
+FINE_LEN_BUCKETS += (1280, 1536, 2048, 2560, 3072, 4096)
+PROMPT_BUCKETS = (8,) + LEN_BUCKETS  # prefill lengths
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFILL_BUCKETS = (1, 4, 16, 64, 256, 1024)  # new rows per admission: few prefill programs
+EARLY_EXIT_FRACTION = 8  # a chunk ends early once 1/8 of the slots finished (rows waiting)
 
 
 def process_logits(
@@ -101,9 +111,21 @@ def _truncate(x: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array
 
 
 def _sample(x_BV, keys_B2, temperature_B):
-    """Samples one token per row from processed logits; returns (token, its log-prob)."""
+    """Samples one token per row from processed logits; returns (token, its log-prob).
+
+    Inverse-CDF sampling: one uniform draw per row (a Gumbel draw per vocabulary entry costs
+    the CPU more than the tiny model's step), the first token whose cumulative probability
+    exceeds it; tokens of zero probability are never drawn.
+    """
     logp_all = jax.nn.log_softmax(x_BV, axis=-1)
-    sampled = jax.vmap(jax.random.categorical)(keys_B2, x_BV)
+    probs = jnp.exp(logp_all)
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
+    sampled = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
+    # Rounding may put the draw at the total: the last token of nonzero probability then.
+    V = x_BV.shape[-1]
+    last = V - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+    sampled = jnp.minimum(sampled, last)
     greedy = jnp.argmax(x_BV, axis=-1)
     tok = jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
@@ -149,7 +171,7 @@ class _Row:
     max_new: int
     version: int = 0
     slot: int = -1
-    chunks: int = 0  # decode chunks dispatched while it was live
+    inflight: int = 0  # decode chunks dispatched and not yet read back
     finished: bool = False
     tokens: list = dataclasses.field(default_factory=list)
     logps: list = dataclasses.field(default_factory=list)
@@ -157,7 +179,8 @@ class _Row:
 
 @dataclasses.dataclass
 class _Rows:
-    """Per-slot sampling constants on the host ([C, ...] numpy), uploaded when changed."""
+    """Sampling constants of rows ([C, ...] numpy): built on the host for an admission; the
+    slots' own live on the device, in the engine state (written by the insert)."""
 
     keys: np.ndarray  # uint32 [C, 2]
     temp: np.ndarray  # float32 [C]
@@ -176,18 +199,6 @@ class _Rows:
             np.ones(C, np.int32),
             np.full((C, n_stop), -1, np.int32),
         )
-
-    def take(self, idx: np.ndarray, n_stop: int) -> _Rows:
-        """Rows idx (-1: an empty row) with the stop table widened to n_stop."""
-        out = _Rows.empty(len(idx), n_stop)
-        ok = idx >= 0
-        for f in dataclasses.fields(self):
-            src, dst = getattr(self, f.name), getattr(out, f.name)
-            if f.name == "stop":
-                dst[ok, : src.shape[1]] = src[idx[ok]]
-            else:
-                dst[ok] = src[idx[ok]]
-        return out
 
     def set(self, slot: int, req: GenerationRequest, key: np.ndarray) -> None:
         p = req.params
@@ -222,6 +233,7 @@ class JaxEngine:
         continuous: bool = True,
         overlap: bool | None = None,
         cache_len: int | None = None,
+        early_exit: bool | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
@@ -238,9 +250,10 @@ class JaxEngine:
         mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
         self.replicated = NamedSharding(mesh, PartitionSpec())  # params
         self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
-        cache_rows = NamedSharding(mesh, PartitionSpec(None, "rows"))  # the cache's [L, C, ...]
-        self.cache_rows = KVCache(k=cache_rows, v=cache_rows)
-        self.state_rows = (self.cache_rows,) + (self.rows,) * 4  # (cache, tok, pos, n, done)
+        per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
+        self.cache_rows = KVCache(k=per_layer, v=per_layer)
+        # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
+        self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
         self.params = self._own(params)
         self.version = version
         self.chunk = chunk
@@ -248,10 +261,16 @@ class JaxEngine:
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
         accelerator = self.devices[0].platform != "cpu"
         self.overlap = accelerator if overlap is None else overlap
+        # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
+        # condition may wait on the host each step) is kept to the CPU by default.
+        self.early_exit = (not accelerator) if early_exit is None else early_exit
         # On an accelerator a decode step costs about the same for any number of rows (it reads
         # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
         # step costs per row, so there the slots follow demand (powers of two).
         self.fixed_slots = accelerator or cache_len is not None
+        self.cache_buckets = LEN_BUCKETS if self.fixed_slots else FINE_LEN_BUCKETS
+        # A CPU's prefill also costs per row: admissions there are padded to powers of two.
+        self.prefill_buckets = PREFILL_BUCKETS if self.fixed_slots else BATCH_BUCKETS
         if cache_len is not None and cache_len < 1:
             raise ValueError(f"JaxEngine: cache_len={cache_len}; must be >= 1 (or None)")
         self.cache_len = None if cache_len is None else length_bucket(cache_len, LEN_BUCKETS)
@@ -266,9 +285,7 @@ class JaxEngine:
         self._failed: BaseException | None = None
         # The scheduler thread's own state: slots, device arrays, dispatched-but-unread work.
         self._slots: list[_Row | None] = []
-        self._state = None  # (cache, tok, pos, n, done), each [C, ...] split over the devices
-        self._consts: _Rows | None = None
-        self._consts_dev = None
+        self._state = None  # (cache, tok, pos, n, done, consts), [C, ...] split over the devices
         self._records: collections.deque = collections.deque()
         self.traces = 0  # prefill and decode programs traced (compilations)
         self.slot_steps = 0  # rows computed by decode steps (slots x steps)
@@ -277,9 +294,11 @@ class JaxEngine:
         state = self.state_rows
         self._prefill = jax.jit(self._prefill_impl, out_shardings=(rows,) * 3 + (self.cache_rows,))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
-        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2,), out_shardings=state)
+        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
         self._decode = jax.jit(
-            self._decode_impl, donate_argnums=(1,), out_shardings=(state,) + (rows,) * 3
+            self._decode_impl,
+            donate_argnums=(1,),
+            out_shardings=(state,) + (rows,) * 3 + (self.replicated,),
         )
         self.pid = os.getpid()
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
@@ -364,39 +383,55 @@ class JaxEngine:
         return tok, lp, done, cache
 
     @staticmethod
-    def _insert_impl(state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache):
+    def _insert_impl(state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache, consts_b):
         """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
-        cache, tok, pos, n, done = state
+        cache, tok, pos, n, done, consts = state
         T = cache_b.max_len
-        put = lambda c, x: c.at[:, idx_b, :T].set(x.astype(c.dtype), mode="drop")
-        cache = KVCache(k=put(cache.k, cache_b.k), v=put(cache.v, cache_b.v))
+
+        def put(c, x, axis):  # rows idx_b, positions [0, T)
+            where = (idx_b,) + tuple(slice(0, T) if d == axis else slice(None) for d in (1, 2, 3))
+            return c.at[where].set(x.astype(c.dtype), mode="drop")
+
+        cache = cache.map(put, cache_b)
         at = lambda a, x: a.at[idx_b].set(x, mode="drop")
-        return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b)
+        consts = tuple(at(a, x) for a, x in zip(consts, consts_b))
+        return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b), consts
 
     @staticmethod
-    def _relayout_impl(state, idx_C, S):
-        """State rows idx_C (-1: an empty, finished row), the cache resized to S positions."""
-        cache, tok, pos, n, done = state
+    def _relayout_impl(state, idx_C, S, n_stop):
+        """State rows idx_C (-1: an empty, finished row), the cache resized to S positions and
+        the stop tables widened to n_stop."""
+        cache, tok, pos, n, done, consts = state
         ok = idx_C >= 0
-        rows = lambda a, axis=0: jnp.take(a, jnp.maximum(idx_C, 0), axis=axis)
+        rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
 
-        def resize(c):  # [L, C, S, K, H]: rows on axis 1, slots on axis 2
-            c = rows(c, axis=1)
-            if S <= c.shape[2]:
-                return c[:, :, :S]
-            return jnp.pad(c, ((0, 0), (0, 0), (0, S - c.shape[2])) + ((0, 0),) * (c.ndim - 3))
+        def resize(c, axis):  # [C, ...] per layer, positions on `axis`
+            c = rows(c)
+            if S <= c.shape[axis]:
+                return jax.lax.slice_in_dim(c, 0, S, axis=axis)
+            pad = [(0, 0)] * c.ndim
+            pad[axis] = (0, S - c.shape[axis])
+            return jnp.pad(c, pad)
 
-        cache = KVCache(k=resize(cache.k), v=resize(cache.v))
-        return cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok
+        cache = cache.map(resize)
+        *consts, stop = (rows(a) for a in consts)
+        stop = jnp.pad(stop, ((0, 0), (0, n_stop - stop.shape[1])), constant_values=-1)
+        empty = _Rows.empty(1, n_stop).arrays()  # an empty row's constants
+        fill = lambda a, e: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, e)
+        consts = tuple(fill(a, e) for a, e in zip((*consts, stop), empty))
+        state = (cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok)
+        return state + (consts,)
 
-    def _decode_impl(self, params, state, live_C, consts):
-        """`chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none), log-probs,
-        done [C] as int8: a copy the host reads after the state was donated to the next chunk)."""
+    def _decode_impl(self, params, state, stop_after):
+        """Up to `chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none),
+        log-probs, done [C] as int8: a copy the host reads after the state was donated to the
+        next chunk, steps run). With early_exit the chunk ends once no row is live or
+        stop_after rows finished in it."""
         self.traces += 1
+        cache, tok, pos, n, done, consts = state
         keys, temp, top_k, top_p, max_new, stop = consts
         model = nnx.merge(self.graphdef, params, self.rest)
         layers = model.per_layer()  # sliced once per chunk, not in every step
-        cache, tok, pos, n, done = state
         C = tok.shape[0]
 
         def one(i, c):
@@ -414,33 +449,43 @@ class JaxEngine:
 
         toks = jnp.full((C, self.chunk), -1, jnp.int32)
         lps = jnp.zeros((C, self.chunk), jnp.float32)
-        carry = (cache, tok, pos, n, done | ~live_C, toks, lps)
-        cache, tok, pos, n, done, toks, lps = jax.lax.fori_loop(0, self.chunk, one, carry)
-        return (cache, tok, pos, n, done), toks, lps, done.astype(jnp.int8)
+        done0 = done  # empty slots hold finished rows
+        carry = (cache, tok, pos, n, done0, toks, lps)
+        if self.early_exit:
+
+            def more(c):
+                i, (*_, done, _, _) = c
+                finished = jnp.sum(done & ~done0)
+                return (i < self.chunk) & ~jnp.all(done) & (finished < stop_after)
+
+            steps, carry = jax.lax.while_loop(more, lambda c: (c[0] + 1, one(*c)), (0, carry))
+        else:
+            steps, carry = self.chunk, jax.lax.fori_loop(0, self.chunk, one, carry)
+        cache, tok, pos, n, done, toks, lps = carry
+        state = (cache, tok, pos, n, done, consts)
+        return state, toks, lps, done.astype(jnp.int8), jnp.int32(steps)
 
     def _abstract(self, C: int, S: int):
-        """Shapes and shardings of (state, consts, live) for C slots and a cache of S slots."""
+        """Shapes and shardings of the state for C slots and a cache of S slots."""
         arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         kv = jax.eval_shape(lambda: init_cache(self.config, C, S))
-        cache = KVCache(
-            k=arg(kv.k.shape, kv.k.dtype, self.cache_rows.k),
-            v=arg(kv.v.shape, kv.v.dtype, self.cache_rows.v),
-        )
+        cache = jax.tree.map(lambda a, sh: arg(a.shape, a.dtype, sh), kv, self.cache_rows)
         i32 = arg((C,), jnp.int32, self.rows)
         flag = arg((C,), jnp.bool_, self.rows)
         empty = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
         consts = tuple(arg(a.shape, a.dtype, self.rows) for a in empty)
-        return (cache, i32, i32, i32, flag), consts, flag
+        return cache, i32, i32, i32, flag, consts
 
     def lower_decode(self, slots: int, cache_len: int) -> jax.stages.Lowered:
         """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
         allocated or run (compile-time benchmarks)."""
-        state, consts, live = self._abstract(slots, cache_len)
-        return self._decode.lower(self.params, state, live, consts)
+        state = self._abstract(slots, cache_len)
+        stop_after = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        return self._decode.lower(self.params, state, stop_after)
 
     def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
         """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
-        (_, lengths, *_), consts, _ = self._abstract(rows, prompt_len)
+        _, lengths, *_, consts = self._abstract(rows, prompt_len)
         tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
         return self._prefill.lower(self.params, tokens, lengths, consts)
 
@@ -565,20 +610,23 @@ class JaxEngine:
         return True
 
     def _admit(self) -> None:
-        """Moves waiting requests into free slots (growing or compacting the slots first)."""
+        """Sizes the slots to the demand (live and waiting rows), then moves waiting requests
+        into free slots (static batching: only into an empty batch)."""
         live = self._live()
-        if live and not self.continuous:
-            return
         with self._cv:
             demand = len(live) + len(self._waiting)
-            if not self._waiting:
-                return
+        if not demand:
+            return
         nd = len(self.devices)
         want = min(length_bucket(demand, BATCH_BUCKETS), self.max_batch)
         want = self.max_batch if self.fixed_slots else -(-want // nd) * nd
         C = len(self._slots)
-        if want > C or (want < C and (not live or demand <= C // 4)):
+        # Slots grow at once and shrink (live rows compacted) once the demand fits in half of
+        # them: a drain with nothing waiting then steps over the live rows only.
+        if want > C or (want < C and (not live or demand <= C // 2)):
             self._resize(live, want)
+        if not self._waiting or (live and not self.continuous):
+            return
         free = [s for s, r in enumerate(self._slots) if r is None]
         with self._cv:
             rows = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
@@ -592,41 +640,35 @@ class JaxEngine:
         """Prefills rows into the free slots (in order) and queues their first tokens."""
         nd = len(self.devices)
         n_stop = max(len(r.req.params.stop_token_ids) for r in rows)
-        if n_stop > self._consts.stop.shape[1]:
-            self._consts = self._consts.take(
-                np.arange(len(self._slots)), length_bucket(n_stop, STOP_BUCKETS)
-            )
-        T = length_bucket(max(r.prompt_len for r in rows), LEN_BUCKETS)
-        self._fit_cache(extra=T)
-        b = -(-min(length_bucket(len(rows), PREFILL_BUCKETS), self.max_batch) // nd) * nd
+        T = length_bucket(max(r.prompt_len for r in rows), PROMPT_BUCKETS)
+        self._fit_cache(extra=T, n_stop=n_stop)
+        b = -(-min(length_bucket(len(rows), self.prefill_buckets), self.max_batch) // nd) * nd
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
-        new = _Rows.empty(b, self._consts.stop.shape[1])
+        new = _Rows.empty(b, self._n_stop())
         for i, (r, s) in enumerate(zip(rows, free)):
             tokens[i, : r.prompt_len] = r.req.prompt_ids
             lengths[i], idx[i] = r.prompt_len, s
-            key = _key_data(_seed(r.req))
-            new.set(i, r.req, key)
-            self._consts.set(s, r.req, key)
+            new.set(i, r.req, _key_data(_seed(r.req)))
             r.slot, r.version = s, self.version
             self._slots[s] = r
-        self._consts_dev = None
         tokens, lengths, idx, consts = jax.device_put(
             (tokens, lengths, idx, new.arrays()), self.rows
         )
         tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts)
-        self._state = self._insert(self._state, idx, tok, lengths, done, cache)
+        self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
         self._records.append(("insert", rows, tok, lp))
 
     def _resize(self, live: list[_Row], C: int) -> None:
         """C slots: live rows kept (moved to the front when shrinking), the rest empty."""
-        if self._state is None:
+        if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
+            self._flush()
             self._slots = [None] * C
-            self._consts = _Rows.empty(C, STOP_BUCKETS[0])
             cache = init_cache(self.config, C, LEN_BUCKETS[0])
             zeros = np.zeros(C, np.int32)
-            state = (cache, zeros, zeros, zeros, np.ones(C, bool))
+            consts = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
+            state = (cache, zeros, zeros, zeros, np.ones(C, bool), consts)
             self._state = jax.device_put(state, self.state_rows)
             return
         if C < len(self._slots):
@@ -636,9 +678,8 @@ class JaxEngine:
         else:
             idx = np.concatenate([np.arange(len(self._slots)), np.full(C - len(self._slots), -1)])
             idx = idx.astype(np.int32)
-        self._state = self._relayout(self._state, jax.device_put(idx, self.rows), self._S())
-        self._consts = self._consts.take(idx, self._consts.stop.shape[1])
-        self._consts_dev = None
+        idx = jax.device_put(idx, self.rows)
+        self._state = self._relayout(self._state, idx, self._S(), self._n_stop())
         slots: list[_Row | None] = [None] * C
         for s, old in enumerate(idx):
             if old >= 0 and self._slots[old] is not None:
@@ -649,37 +690,53 @@ class JaxEngine:
     def _S(self) -> int:
         return self._state[0].max_len
 
-    def _fit_cache(self, extra: int = 0) -> None:
+    def _n_stop(self) -> int:
+        return self._state[5][5].shape[1]  # the stop table's width
+
+    def _fit_cache(self, extra: int = 0, n_stop: int = 0) -> None:
         """Sizes the cache to what live rows can reach by the end of the next chunk (or to
-        cache_len, always, when batch-invariant)."""
+        cache_len, always, when batch-invariant) and widens the stop tables to n_stop."""
+        width = max(self._n_stop(), length_bucket(n_stop, STOP_BUCKETS))
         if self.cache_len is not None:
-            if self._S() != self.cache_len:
+            if self._S() != self.cache_len or width != self._n_stop():
                 idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-                self._state = self._relayout(self._state, idx, self.cache_len)
+                self._state = self._relayout(self._state, idx, self.cache_len, width)
             return
+        # A row that has n tokens (the first one pending until its insert is read) reaches
+        # position prompt_len + n - 1 + chunk per chunk in flight and the next one.
         need = max(
             [extra]
-            + [r.prompt_len + min(self.chunk * (r.chunks + 1), r.max_new - 1) for r in self._live()]
+            + [
+                r.prompt_len
+                + min(max(len(r.tokens), 1) - 1 + self.chunk * (r.inflight + 1), r.max_new - 1)
+                for r in self._live()
+            ]
         )
-        S = self._S()
-        if need > S or need <= S // 4:  # shrink with hysteresis: each size is a compilation
-            S = length_bucket(need, LEN_BUCKETS)
+        S, new = self._S(), length_bucket(need, self.cache_buckets)
+        # Where slots follow demand (CPU) the cache shrinks to fit at once; elsewhere once a
+        # quarter of it is in use (each change is a relayout).
+        if not (new > S or (new < S and (not self.fixed_slots or need <= S // 4))):
+            new = S
+        if new != S or width != self._n_stop():
             idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-            self._state = self._relayout(self._state, idx, S)
+            self._state = self._relayout(self._state, idx, new, width)
 
     def _dispatch(self) -> None:
         """Runs one decode chunk over every slot (asynchronously; read back by _process)."""
         self._fit_cache()
-        if self._consts_dev is None:
-            self._consts_dev = jax.device_put(self._consts.arrays(), self.rows)
-        live = np.array([r is not None for r in self._slots])
         for r in self._slots:
             if r is not None:
-                r.chunks += 1
-        self._state, toks, lps, done = self._decode(
-            self.params, self._state, jax.device_put(live, self.rows), self._consts_dev
+                r.inflight += 1
+        C = len(self._slots)
+        with self._cv:
+            waiting = len(self._waiting) if self.continuous else 0
+        # With requests waiting, the chunk ends once enough rows finished to admit some (a
+        # freed slot idles no longer than that); otherwise it runs until no row is live.
+        stop_after = max(1, min(waiting, C // EARLY_EXIT_FRACTION)) if waiting else C + 1
+        self._state, toks, lps, done, steps = self._decode(
+            self.params, self._state, np.int32(stop_after)
         )
-        self._records.append(("chunk", list(self._slots), toks, lps, done))
+        self._records.append(("chunk", list(self._slots), toks, lps, done, steps))
 
     def _process(self, record) -> None:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
@@ -691,12 +748,14 @@ class JaxEngine:
                     r.tokens.append(int(tok[i]))
                     r.logps.append(float(lp[i]))
             return
-        _, slots, toks, lps, done = record
-        toks, lps, done = jax.device_get((toks, lps, done))
+        _, slots, toks, lps, done, steps = record
+        toks, lps, done, steps = jax.device_get((toks, lps, done, steps))
         valid = toks >= 0
-        self.slot_steps += toks.size
+        self.slot_steps += toks.shape[0] * int(steps)
         self.useful_steps += int(valid.sum())
         for s, r in enumerate(slots):
+            if r is not None:
+                r.inflight -= 1
             if r is None or r.finished:
                 continue
             m = valid[s]
@@ -711,8 +770,12 @@ class JaxEngine:
 
     def _end_live(self) -> None:
         """Ends every live row with what it has ('abort')."""
-        for r in self._live():
+        live = self._live()
+        for r in live:
             self._finish(r, "abort")
+        if live:  # their slots hold finished rows on the device too (a decode skips them)
+            done = jax.device_put(np.ones(len(self._slots), bool), self.rows)
+            self._state = self._state[:4] + (done,) + self._state[5:]
 
     def _finish(self, r: _Row, reason: str | None = None) -> None:
         """Delivers a row's Generation; frees its slot."""
