@@ -276,7 +276,11 @@ class TrainerSection:
         0, "eta: max versions between a token's policy and the update training it"
     )
     sync_every: int = F(1, "publish weights to the rollout engines every this many updates")
-    partial: Literal["drain", "continue"] = F("drain", "in-flight work at a weight update")
+    partial: Literal["drain", "continue", "inflight"] = F(
+        "drain",
+        "in-flight work at a weight update: drain (finish on the old weights), continue "
+        "(resubmit the partials, re-prefilled), inflight (go on under the new weights; JAX engine)",
+    )
     stale_policy: Literal["keep", "drop"] = F(
         "keep", "keep finished stale groups, or drop and count"
     )
@@ -555,6 +559,12 @@ def _check_ranges(cfg: RunConfig) -> None:
             "rollout.batch_invariant: true needs rollout.engine 'jax' and trainer.transport "
             f"'local' (the in-run JAX sampler), got engine {cfg.rollout.engine!r}, transport "
             f"{t.transport!r}"
+        )
+    if t.partial == "inflight" and cfg.rollout.engine != "jax":
+        raise ConfigError(
+            "trainer.partial: invalid value 'inflight' with rollout.engine "
+            f"{cfg.rollout.engine!r}: only the JAX sampler swaps weights under live rows; "
+            "valid there: drain, continue"
         )
     if t.pin_cores and cfg.rollout.engine != "jax":
         raise ConfigError(

@@ -22,6 +22,7 @@ def test_bench_async_prints_result_line(tmp_path):
     cmd = [sys.executable, "-m", "launch.bench", "async", "--updates", "2", "--prompts", "2"]
     cmd += ["--group", "2", "--min-tokens", "4", "--max-tokens", "8", "--eta", "1"]
     cmd += ["--num-eval", "2", "--pack", "32", "--run-root", str(tmp_path)]  # the packed path
+    cmd += ["--partial", "drain,inflight"]  # the second policy's figures get suffixed keys
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     last = out.stdout.strip().splitlines()[-1]
@@ -33,6 +34,9 @@ def test_bench_async_prints_result_line(tmp_path):
     assert values["ideal"] == pytest.approx((G + T) / max(Gc, T), rel=1e-3)
     assert values["speedup"] == pytest.approx(values["sync_s"] / values["async_s"], rel=1e-3)
     assert values["frac_of_ideal"] == pytest.approx(values["speedup"] / values["ideal"], rel=1e-3)
+    assert values["speedup_inflight"] == pytest.approx(
+        values["sync_s"] / values["async_s_inflight"], rel=1e-3
+    )
 
 
 def test_longtail_budgets_are_seeded_clipped_and_heavy_tailed():

@@ -116,6 +116,12 @@ def test_resolved_config_round_trips(tmp_path):
             ["sft.target_accuracy", "0.2", "'ray'", "set sft.target_accuracy: 0"],
         ),
         ("", ["sft.check_every=0"], ["sft.check_every", "0", "must be > 0"]),
+        # in-flight weight updates: the JAX sampler only
+        (
+            "",
+            ["trainer.partial=inflight", "rollout.engine=vllm"],
+            ["trainer.partial", "'inflight'", "'vllm'", "drain, continue"],
+        ),
         # 16. packing with a per-sequence aggregation
         (
             "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",

@@ -121,7 +121,7 @@ def tok(tmp_path_factory):
     return load_tokenizer(build_task_tokenizer(str(tmp_path_factory.mktemp("tok"))))
 
 
-@pytest.mark.parametrize("mode", ["drain", "continue"])
+@pytest.mark.parametrize("mode", ["drain", "continue", "inflight"])
 def test_halted_groups_come_back_partial_and_continue_after_their_tokens(tok, mode):
     """A real JaxEngine (update mode `mode`): halt + abort mid-generation gives PartialGroups;
     after a weight update to version 1, run_groups continues them: the saved tokens, log-probs

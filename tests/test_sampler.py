@@ -16,6 +16,7 @@ from model_weights import randomize
 from models import create_model, make_mesh, tiny
 from models.sharding import shard_model
 from models.tokenizer import build_task_tokenizer, load_tokenizer
+from models.transformer import init_cache
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
 from rl.rollout.base import GenerationRequest, SamplingParams
@@ -405,6 +406,60 @@ def test_interrupting_update_resubmits_on_new_weights(model, tok):
     assert np.abs(old_lp[old] - behavior[old]).max() < 1e-5
     assert np.abs(new_lp[new] - behavior[new]).max() < 1e-5
     assert np.abs(old_lp[new] - behavior[new]).max() > 1e-2  # the weights really differ
+
+
+def test_inflight_update_goes_on_under_new_weights_with_the_old_cache(model):
+    """`inflight`: rows live at the update keep their slots; tokens after the switch carry
+    version 1 and the log-probs they were sampled with: the new weights over a cache whose
+    earlier entries the old weights wrote (checked against the model's own prefill/decode)."""
+    new_model = randomize(nnx.clone(model), seed=1)
+    eng = JaxEngine(model, chunk=4, update_mode="inflight")
+    updater = []
+
+    def switch():  # a weight update from another thread, landing after this chunk
+        t = threading.Thread(
+            target=lambda: eng.update_weights(1, nnx.state(new_model, nnx.Param)).wait()
+        )
+        t.start()
+        updater.append(t)
+        deadline = time.monotonic() + 60
+        while not eng._installs:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    reqs = [_req(f"f{i}", _prompt(70 + i, 3 + 2 * i), max_new_tokens=16, seed=i) for i in range(3)]
+    with _after_first_decode(eng, switch):
+        gens = eng.generate(reqs)
+    updater[0].join(60)
+    assert eng.version == 1
+    prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
+    decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    lsm = lambda x: np.asarray(jax.nn.log_softmax(x, axis=-1))[0]
+    for r, g in zip(reqs, gens):
+        assert g.finish_reason == "length" and len(g.token_ids) == 16
+        np.testing.assert_array_equal(g.versions, [0] * 5 + [1] * 11)
+        n = len(r.prompt_ids)
+        cache = init_cache(model.config, 1, 32)
+        logits, cache = prefill(model, jnp.asarray(r.prompt_ids[None]), jnp.asarray([n]), cache)
+        want = [lsm(logits[:, n - 1])[g.token_ids[0]]]
+        for i, t in enumerate(g.token_ids[:-1]):  # token i fed: its key/value by its weights
+            m = model if g.versions[i + 1] == 0 else new_model
+            logits, cache = decode(m, jnp.asarray([t]), jnp.asarray([n + i]), cache)
+            want.append(lsm(logits)[g.token_ids[i + 1]])
+        np.testing.assert_allclose(g.logprobs, want, rtol=0, atol=1e-5)
+        old_only = _learner_logp(model, [_episode(r, g)], 1.0)[0]
+        assert np.abs(old_only[5:] - g.logprobs[5:]).max() > 1e-2  # the weights really differ
+    eng.close()
+
+
+def _episode(r, g):
+    """One Episode of a request and its Generation (no reward)."""
+    n = len(r.prompt_ids)
+    tokens = np.concatenate([r.prompt_ids, g.token_ids])
+    mask = np.r_[np.zeros(n, np.int8), np.ones(len(g.token_ids), np.int8)]
+    behavior = np.r_[np.zeros(n, np.float32), g.logprobs]
+    versions = np.r_[np.full(n, -1, np.int32), g.versions]
+    return Episode(r.request_id, tokens, mask, behavior, versions, n, 0.0)
 
 
 def test_episode_version_span_ignores_environment_tokens():

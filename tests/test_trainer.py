@@ -237,8 +237,10 @@ def test_resume_reproduces_uninterrupted_run(sync_run, resumed_run):
 # (d) the staleness bound in async mode
 
 
-def test_async_staleness_bounded(root):
-    name = "async2"
+@pytest.mark.parametrize("partial", ["drain", "inflight"])
+def test_async_staleness_bounded(root, partial):
+    """The bound holds whether live rows finish on their weights or go on under new ones."""
+    name = f"async2-{partial}"
     train(
         _cfg(
             root,
@@ -247,6 +249,7 @@ def test_async_staleness_bounded(root):
             "trainer.mode=async",
             "trainer.max_staleness=2",
             "rollout.streams=12",  # the bound's worth of groups in flight: generation runs ahead
+            f"trainer.partial={partial}",
         )
     )
     rows = _rows(root, name)[1:]

@@ -280,7 +280,10 @@ def _parser() -> argparse.ArgumentParser:
         "program shape compile before it, e.g. the longer prefills of continued partials)",
     )
     p.add_argument(
-        "--partial", default="drain", help="async in-flight policy: drain, continue or both"
+        "--partial",
+        default="drain",
+        help="async in-flight policies, comma-separated (drain, continue, inflight); both = "
+        "drain,continue",
     )
     p.add_argument(
         "--transport",
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     the sync run's engine is built, so continuous batching keeps every slot busy). The ideal async
     bound is (G + T) / max(Gc, T): generation at the sampler's saturated rate, fully overlapped
     with training (with static batching Gc ~ G and this is (G + T) / max(G, T)). The async run
-    uses max_staleness --eta and the --partial policy (drain, continue, or both).
+    uses max_staleness --eta and the --partial policies (drain, continue, inflight).
 
     Timing is steady state: the first W = eta + 1 updates (compilation, pipeline fill) are excluded
     in every run, and sync_s / async_s is the wall time from the completion of update W to the
@@ -386,9 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     overheads).
     """
     args = _parser().parse_args(argv)
-    partials = ["drain", "continue"] if args.partial == "both" else [args.partial]
-    if any(x not in ("drain", "continue") for x in partials):
-        print(f"--partial={args.partial!r}: valid: drain, continue, both", file=sys.stderr)
+    partials = ["drain", "continue"] if args.partial == "both" else args.partial.split(",")
+    if any(x not in ("drain", "continue", "inflight") for x in partials):
+        print(
+            f"--partial={args.partial!r}: valid: drain, continue, inflight (comma-separated), both",
+            file=sys.stderr,
+        )
         return 2
     for name in ("updates", "prompts", "group", "min_tokens", "max_tokens", "repeats"):
         if getattr(args, name) < 1:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-UPDATE_MODES = ("drain", "continue")
+UPDATE_MODES = ("drain", "continue", "inflight")
 
 
 @dataclasses.dataclass(frozen=True)

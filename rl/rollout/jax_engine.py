@@ -22,8 +22,12 @@ it was batched with or when it was admitted.
 
 Weight updates land between chunks: under `drain` admissions pause until the live rows finish;
 under `continue` live rows return 'abort' partials (tokens so far, with their version) and the
-caller resubmits them. The engine runs on its own `devices` (default: the first device), params
-replicated and rows split over them; with `background_install` update_weights returns at once.
+caller resubmits them; under `inflight` live rows keep their slots and cache and go on with the
+new weights (each token is tagged with the version that sampled it, its log-prob the one it was
+sampled with, so the decoupled loss corrects it exactly; the earlier tokens' cache entries stay
+those of the older weights, as in PipelineRL's in-flight updates).
+The engine runs on its own `devices` (default: the first device), params replicated and rows
+split over them; with `background_install` update_weights returns at once.
 
 Tokens do not depend on the batch, but log-probs do in their last bits (a row's logits change
 with the prefill batch and prompt bucket, the slot count and the cache length). With
@@ -169,12 +173,12 @@ class _Row:
     index: int  # position in its call's request list
     prompt_len: int
     max_new: int
-    version: int = 0
     slot: int = -1
     inflight: int = 0  # decode chunks dispatched and not yet read back
     finished: bool = False
     tokens: list = dataclasses.field(default_factory=list)
     logps: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)  # each token's weights version
 
 
 @dataclasses.dataclass
@@ -310,9 +314,10 @@ class JaxEngine:
         """Copies `weights` onto the engine's devices and serves them as `version`.
 
         Under `continue` live rows return 'abort' partials at the next chunk end; under `drain`
-        admissions pause until they finish. With background_install the handle is done once
-        the copy has landed and is installed (the caller may donate its buffers then);
-        otherwise update_weights returns when the engine serves the version.
+        admissions pause until they finish; under `inflight` live rows keep their slots and KV
+        cache and sample their next tokens with the new weights. With background_install the
+        handle is done once the copy has landed and is installed (the caller may donate its
+        buffers then); otherwise update_weights returns when the engine serves the version.
         """
         t0 = time.perf_counter()
         tree = Weights.of(weights).tree(self.params)
@@ -329,7 +334,7 @@ class JaxEngine:
         return handle
 
     def _install(self) -> None:
-        """Serves the oldest queued update (no row is live)."""
+        """Serves the oldest queued update (no row is live, or any under `inflight`)."""
         with self._cv:
             version, params, t0, t1, handle = self._installs.popleft()
             if not self._installs:
@@ -586,7 +591,9 @@ class JaxEngine:
             if self.update_mode == "continue" and self._live():
                 self._flush()
                 self._end_live()
-            if not self._live():
+            if self.update_mode == "inflight" and self._live():
+                self._install()  # between chunks: live rows go on under the new weights
+            elif not self._live():
                 self._flush()
                 self._install()
                 return True
@@ -651,14 +658,14 @@ class JaxEngine:
             tokens[i, : r.prompt_len] = r.req.prompt_ids
             lengths[i], idx[i] = r.prompt_len, s
             new.set(i, r.req, _key_data(_seed(r.req)))
-            r.slot, r.version = s, self.version
+            r.slot = s
             self._slots[s] = r
         tokens, lengths, idx, consts = jax.device_put(
             (tokens, lengths, idx, new.arrays()), self.rows
         )
         tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts)
         self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
-        self._records.append(("insert", rows, tok, lp))
+        self._records.append(("insert", rows, tok, lp, self.version))
 
     def _resize(self, live: list[_Row], C: int) -> None:
         """C slots: live rows kept (moved to the front when shrinking), the rest empty."""
@@ -736,19 +743,20 @@ class JaxEngine:
         self._state, toks, lps, done, steps = self._decode(
             self.params, self._state, np.int32(stop_after)
         )
-        self._records.append(("chunk", list(self._slots), toks, lps, done, steps))
+        self._records.append(("chunk", list(self._slots), toks, lps, done, steps, self.version))
 
     def _process(self, record) -> None:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
         if record[0] == "insert":
-            _, rows, tok, lp = record
+            _, rows, tok, lp, version = record
             tok, lp = jax.device_get((tok, lp))
             for i, r in enumerate(rows):
                 if not r.finished:
                     r.tokens.append(int(tok[i]))
                     r.logps.append(float(lp[i]))
+                    r.versions.append(version)
             return
-        _, slots, toks, lps, done, steps = record
+        _, slots, toks, lps, done, steps, version = record
         toks, lps, done, steps = jax.device_get((toks, lps, done, steps))
         valid = toks >= 0
         self.slot_steps += toks.shape[0] * int(steps)
@@ -761,6 +769,7 @@ class JaxEngine:
             m = valid[s]
             r.tokens.extend(toks[s][m].tolist())
             r.logps.extend(lps[s][m].tolist())
+            r.versions.extend([version] * int(m.sum()))
             if done[s]:
                 self._finish(r)
 
@@ -790,7 +799,7 @@ class JaxEngine:
             r.req.request_id,
             np.asarray(r.tokens, np.int32),
             np.asarray(r.logps, np.float32),
-            np.full(k, r.version, np.int32),
+            np.asarray(r.versions, np.int32),
             reason,
         )
         call = r.call
