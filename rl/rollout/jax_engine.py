@@ -333,12 +333,6 @@ class JaxEngine:
             handle.wait(self.deadline_s)
         return handle
 
-    def _install_landed(self) -> bool:
-        """Whether the oldest queued update's copy is on the devices (without waiting)."""
-        with self._cv:
-            params = self._installs[0][1]
-        return all(x.is_ready() for x in jax.tree.leaves(params) if isinstance(x, jax.Array))
-
     def _install(self) -> None:
         """Serves the oldest queued update (no row is live, or any under `inflight`)."""
         with self._cv:
@@ -598,8 +592,7 @@ class JaxEngine:
                 self._flush()
                 self._end_live()
             if self.update_mode == "inflight" and self._live():
-                if self._install_landed():  # else decode on; the copy lands meanwhile
-                    self._install()  # between chunks: live rows go on under the new weights
+                self._install()  # between chunks: live rows go on under the new weights
             elif not self._live():
                 self._flush()
                 self._install()
