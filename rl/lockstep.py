@@ -86,6 +86,9 @@ class Channel:
             self.call("end", failed)
         finally:
             self._stop.set()
+            # No thread may be inside a coordination-service call when JAX's shutdown tears
+            # the client down (a C++ abort at exit).
+            self._beat.join(timeout=10 * BEAT_S)
 
 
 _channel: Channel | None = None  # process 0's, once join() made it
@@ -338,18 +341,20 @@ class Follower:
         self._restored_meta: dict | None = None
         self._heard = time.monotonic()  # when process 0 last gave a sign of life
         self._beat = None
-        threading.Thread(target=self._watch, name="lockstep-watch", daemon=True).start()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="lockstep-watch", daemon=True)
+        self._watcher.start()
 
     def _watch(self) -> None:
         """Notes each change of process 0's keep-alive key (a blocked read: no change)."""
-        while True:
+        while not self._stop.is_set():
             try:
                 beat = self.client.key_value_try_get(f"{PREFIX}/beat")
             except Exception:  # noqa: BLE001 - not written yet, or the service is gone
                 beat = None
             if beat is not None and beat != self._beat:
                 self._beat, self._heard = beat, time.monotonic()
-            time.sleep(BEAT_S / 2)
+            self._stop.wait(BEAT_S / 2)
 
     def next_call(self) -> tuple[str, tuple]:
         """The next call of process 0: (method, args). Raises HostLost naming host 0 if it is
@@ -420,6 +425,8 @@ class Follower:
             )
 
     def _end(self, failed: bool) -> int:
+        self._stop.set()  # the watcher leaves the coordination service before JAX's shutdown
+        self._watcher.join(timeout=10 * BEAT_S)
         if self.ckpt is not None:
             self.ckpt.close()
         if failed:
