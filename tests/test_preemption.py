@@ -88,9 +88,30 @@ def _until_rows(proc, run_dir, n: int, deadline_s: float = 240) -> None:
     raise AssertionError(f"no {n} metric rows within {deadline_s} s")
 
 
-def _preempt(cmd, run_dir, rows: int, delay_s: float = 0.0) -> tuple[int, float]:
-    """Runs `cmd`, sends SIGTERM `delay_s` after metrics.jsonl has `rows` rows, and checks the
-    preemption:
+def _children_cpu_s(pid: int) -> float:
+    """CPU seconds of the descendants of process `pid` (its rollout process: the sampler)."""
+    stats = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, ticks
+    kids, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, (ppid, _) in stats.items() if ppid in frontier} - kids
+        kids |= frontier
+    return sum(stats[p][1] for p in kids) / os.sysconf("SC_CLK_TCK")
+
+
+def _preempt(
+    cmd, run_dir, rows: int, delay_s: float = 0.0, busy_s: float = 0.0
+) -> tuple[int, float]:
+    """Runs `cmd`, sends SIGTERM `delay_s` after metrics.jsonl has `rows` rows (with busy_s: once
+    the run's child processes, its sampler, have computed busy_s CPU seconds since, i.e. are
+    generating), and checks the preemption:
     exit 0 within trainer.preempt_deadline_s, the last line naming the version it stopped at.
     Returns (that version, seconds from the signal to the exit)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -99,6 +120,12 @@ def _preempt(cmd, run_dir, rows: int, delay_s: float = 0.0) -> tuple[int, float]
     )
     _until_rows(proc, run_dir, rows)
     time.sleep(delay_s)
+    if busy_s:
+        t0, cpu0 = time.perf_counter(), _children_cpu_s(proc.pid)
+        while _children_cpu_s(proc.pid) - cpu0 < busy_s:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.perf_counter() - t0 < 120, "the sampler did not start generating"
+            time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     t_sig = time.perf_counter()
     _, err = proc.communicate(timeout=90)
@@ -150,7 +177,12 @@ LONG = long_generations()
 
 
 def preempt_and_resume_keeps_partials(
-    tmp_path, *extra, total: int = 3, tokens: int = LONG_TOKENS, delay_s: float = 0.0
+    tmp_path,
+    *extra,
+    total: int = 3,
+    tokens: int = LONG_TOKENS,
+    delay_s: float = 0.0,
+    busy_s: float = 0.0,
 ) -> dict:
     """SIGTERM while groups are being generated, then --resume; checks that the preemption's
     checkpoint holds the unfinished groups' partial state and that each is trained with its
@@ -163,7 +195,8 @@ def preempt_and_resume_keeps_partials(
     # async (staleness 1): groups for the next update are dispatched ahead, and LONG_TOKENS
     # decode steps each keep them in flight while the learner trains
     cmd = _train(tmp_path, *long_generations(tokens), f"trainer.total_updates={total}", *extra)
-    stopped_at, took = _preempt(cmd, run_dir, 2, delay_s)  # after update 1: next groups in flight
+    # after update 1: the next groups in flight
+    stopped_at, took = _preempt(cmd, run_dir, 2, delay_s, busy_s)
     while True:
         assert 1 <= stopped_at < total
         ckpt = Checkpointer(str(run_dir / "checkpoints"))
@@ -185,7 +218,7 @@ def preempt_and_resume_keeps_partials(
         # timing, not a fault: the resumed run is preempted again one update later.
         # (the signal after update stopped_at + 1 must leave an update for the stop to precede)
         assert stopped_at + 2 < total, f"nothing in flight at any preemption: {saved}"
-        stopped_at, took = _preempt([*cmd, "--resume"], run_dir, stopped_at + 2, delay_s)
+        stopped_at, took = _preempt([*cmd, "--resume"], run_dir, stopped_at + 2, delay_s, busy_s)
 
     again = subprocess.run(
         [*cmd, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
@@ -219,16 +252,17 @@ def test_sigterm_mid_generation_keeps_partials_and_resume_continues_them(tmp_pat
     flight; the checkpoint holds their partial state and the resumed run continues them
     (test_vllm_preemption: the same with a vLLM host under `continue`)."""
     # four updates: with the signal after update 1, updates are left whose groups are in flight.
-    # Sync: the learner waits for the groups while they are generated, so a signal a moment after
-    # an update stops the run at once, mid-generation (async, the learner may finish its update
-    # while the fast sampler finishes its groups, and nothing is left in flight to keep).
+    # Sync: the learner waits for the groups while they are generated, so a signal once the
+    # sampler process is computing stops the run at once, mid-generation (async, the learner may
+    # finish its update while the fast sampler finishes its groups, leaving nothing to keep).
+    # 1536 tokens a rollout: seconds of decoding, far more than the 0.1 CPU s waited for.
     got = preempt_and_resume_keeps_partials(
         tmp_path,
         "trainer.partial=drain",
         "trainer.mode=sync",
         "trainer.max_staleness=0",
         total=4,
-        tokens=384,
-        delay_s=0.3,
+        tokens=1536,
+        busy_s=0.1,
     )
     print(f"jax engine, drain: {got}")
