@@ -503,7 +503,8 @@ class JaxEngine:
 
     def resume(self) -> None:
         """Undoes abort()."""
-        self._abort.clear()
+        with self._cv:  # a scheduler step ending the queued rows re-checks under this lock
+            self._abort.clear()
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         """Completes every request: queued, admitted to slots as they free, results in order."""
@@ -583,8 +584,10 @@ class JaxEngine:
         if self._abort.is_set() or self._closed:
             self._flush()
             self._end_live()
-            with self._cv:
-                waiting, self._waiting = list(self._waiting), collections.deque()
+            with self._cv:  # not what a call after resume() queued meanwhile
+                waiting = []
+                if self._abort.is_set() or self._closed:
+                    waiting, self._waiting = list(self._waiting), collections.deque()
             for r in waiting:
                 self._finish(r, "abort")
         if self._installs:
