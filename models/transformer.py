@@ -86,6 +86,13 @@ def _apply_rotary(x_BTNH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     return x_BTNH * cos + rotated * sin
 
 
+def _linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+    """x @ kernel (+ bias) in `dtype`, as nnx.Linear computes it."""
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    return y if bias is None else y + bias.astype(dtype)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention projections (q/k/v/o, optional q/k norms)."""
 
@@ -135,16 +142,31 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
 
-    def project(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array]):
-        """(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) with q/k norms and rotary applied."""
+    def project(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array], fused=None):
+        """(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) with q/k norms and rotary applied.
+
+        fused: fused_qkv()'s (kernel, bias), one GEMM in place of three (decode steps).
+        """
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
+        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        if fused is None:
+            q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        else:
+            y = _linear(x_BTD, *fused, self.q_proj.dtype)
+            q, k, v = jnp.split(y, [N * H, (N + K) * H], axis=-1)
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin), v
+
+    def fused_qkv(self) -> tuple[jax.Array, jax.Array | None]:
+        """The q, k and v kernels side by side [D, (N + 2K) H], and their biases (or None)."""
+        proj = (self.q_proj, self.k_proj, self.v_proj)
+        w = jnp.concatenate([p.kernel[...] for p in proj], axis=1)
+        if self.q_proj.bias is None:
+            return w, None
+        return w, jnp.concatenate([p.bias[...] for p in proj])
 
 
 class MLP(nnx.Module):
@@ -163,8 +185,17 @@ class MLP(nnx.Module):
         self.up_proj = linear(D, F, kernel_init=_init(("embed", "mlp")))
         self.down_proj = linear(F, D, kernel_init=_init(("mlp", "embed")))
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+    def __call__(self, x_BTD: jax.Array, fused: jax.Array | None = None) -> jax.Array:
+        """fused: fused_gate_up()'s kernel, one GEMM in place of two (decode steps)."""
+        if fused is None:
+            gate, up = self.gate_proj(x_BTD), self.up_proj(x_BTD)
+        else:
+            gate, up = jnp.split(_linear(x_BTD, fused, None, self.gate_proj.dtype), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+    def fused_gate_up(self) -> jax.Array:
+        """The gate and up kernels side by side [D, 2F]."""
+        return jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=1)
 
 
 class DecoderLayer(nnx.Module):
@@ -176,14 +207,22 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, "embed", config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config)
 
-    def __call__(self, x_BTD, rope, attend):
-        """The block's output and whatever `attend(q, k, v) -> (o_BTNH, extra)` returned."""
+    def __call__(self, x_BTD, rope, attend, fused=None):
+        """The block's output and whatever `attend(q, k, v) -> (o_BTNH, extra)` returned.
+
+        fused: fused()'s kernels (decode steps: fewer, larger GEMMs).
+        """
         B, T, _ = x_BTD.shape
-        q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), rope)
+        qkv, gate_up = fused if fused is not None else (None, None)
+        q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), rope, qkv)
         o_BTNH, extra = attend(q, k, v)
         x_BTD = x_BTD + self.self_attn.o_proj(o_BTNH.reshape(B, T, -1))
-        x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+        x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), gate_up)
         return x_BTD, extra
+
+    def fused(self) -> tuple:
+        """((qkv kernel, bias), gate/up kernel): the projections that share an input, fused."""
+        return self.self_attn.fused_qkv(), self.mlp.fused_gate_up()
 
 
 class Decoder(nnx.Module):
@@ -437,27 +476,28 @@ class Transformer(nnx.Module):
             return self._logits(h_B1D)[:, 0], cache
         return self._logits(h_BTD), cache
 
-    def per_layer(self) -> list[DecoderLayer]:
-        """The stacked decoder layers as one module per layer (slices of the parameters)."""
+    def per_layer(self) -> list[tuple[DecoderLayer, tuple]]:
+        """Each decoder layer as its own module (slices of the stacked parameters) with its
+        fused projection kernels (DecoderLayer.fused)."""
         graphdef, state = nnx.split(self.model.layers)
         n = self.model.layers.input_layernorm.weight.shape[0]
-        return [
+        layers = [
             nnx.merge(
                 graphdef,
                 nnx.spmd.remove_axis(jax.tree.map(lambda x, i=i: x[i], state), 0, _LAYERS_AXIS),
             )
             for i in range(n)
         ]
+        return [(layer, layer.fused()) for layer in layers]
 
     @_precise
     def decode(self, tokens, positions, cache: KVCache, layers=None) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
 
         Row b attends to cache slots <= positions[b]; positions must be < cache.max_len.
-        layers: per_layer()'s modules, for a caller that decodes many steps with the same
-        weights (each step then reads every layer's weights in place, without slicing them
-        out of the stacked parameters); the layers are unrolled either way (one cache array
-        per layer).
+        layers: per_layer()'s modules and fused kernels, for a caller that decodes many steps
+        with the same weights (each step then reads them in place, without slicing or fusing
+        them again); the layers are unrolled either way (one cache array per layer).
         """
         S = cache.max_len
         rope = rotary(self.config, positions[:, None])
@@ -466,7 +506,7 @@ class Transformer(nnx.Module):
             layers = self.per_layer()
         ks, vs = list(cache.k), list(cache.v)
         x_B1D = self.model.embed_tokens(tokens[:, None])
-        for i, layer in enumerate(layers):
+        for i, (layer, fused) in enumerate(layers):
 
             def attend(q, k, v, i=i):
                 # Only the new slots are written, in place in the layer's own buffers.
@@ -475,6 +515,6 @@ class Transformer(nnx.Module):
                 o = _decode_attention(q[:, 0], ks[i], vs[i], valid_BS)
                 return o[:, None], None
 
-            x_B1D, _ = layer(x_B1D, rope, attend)
+            x_B1D, _ = layer(x_B1D, rope, attend, fused)
         logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
         return logits_BV, KVCache(k=tuple(ks), v=tuple(vs))

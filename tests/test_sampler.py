@@ -20,7 +20,7 @@ from models.transformer import init_cache
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
 from rl.rollout.base import GenerationRequest, SamplingParams
-from rl.rollout.jax_engine import JaxEngine, _key_data, _sample, process_logits
+from rl.rollout.jax_engine import SAMPLE_BLOCK, JaxEngine, _key_data, _sample, process_logits
 from rl.tasks import ArithmeticTask
 from rl.types import Episode
 
@@ -314,6 +314,33 @@ def test_process_logits_matches_numpy_top_k_top_p():
         if keep.sum() > 1:  # the empirical distribution follows the kept probabilities
             freq = np.bincount(tok, minlength=V) / len(tok)
             assert np.abs(freq - probs).max() < 0.05
+
+
+def test_two_level_sampling_over_a_large_vocabulary():
+    """A vocabulary of several sampling blocks, the last one partial, half of it masked: draws
+    come from unmasked tokens only, with their log-probs, at their probabilities; greedy rows
+    take the argmax."""
+    rng = np.random.RandomState(1)
+    Vb = 5 * SAMPLE_BLOCK + 37
+    x = (3.0 * rng.standard_normal(Vb)).astype(np.float32)
+    x[rng.rand(Vb) < 0.5] = -np.inf
+    big = [3, 700, 2 * SAMPLE_BLOCK + 1, Vb - 1]  # most of the mass, in four blocks
+    x[big] = [12.0, 12.5, 11.5, 12.2]
+    probs = np.exp(x.astype(np.float64) - x[np.isfinite(x)].max())
+    probs /= probs.sum()
+    n = 8000
+    keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(3), n))
+    temp = np.ones(n, np.float32)
+    temp[:8] = 0.0
+    tok, lp = jax.jit(_sample)(jnp.broadcast_to(jnp.asarray(x), (n, Vb)), keys, jnp.asarray(temp))
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    assert (tok[:8] == np.argmax(x)).all()
+    tok, lp = tok[8:], lp[8:]
+    assert np.isfinite(x[tok]).all()
+    assert np.abs(lp - np.log(probs[tok])).max() < 1e-5
+    freq = np.bincount(tok, minlength=Vb) / len(tok)
+    assert np.abs(freq - probs).max() < 0.02
+    assert freq[big].sum() > 0.5
 
 
 # ---------------------------------------------------------------------------------------------

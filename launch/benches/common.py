@@ -136,9 +136,10 @@ def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step"
         kind = next((k for k, subs in _KERNEL_KINDS if any(x in low for x in subs)), "other")
         kinds[kind] += ms
     total = sum(kinds.values())
+    count = sum(n for n, _ in kernels.values()) / (steps * per)
     print(
-        f"profile: kernel time {total:.3f} ms per {unit}; "
+        f"profile: {count:.0f} kernels, kernel time {total:.3f} ms per {unit}; "
         + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
     )
-    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]:
+    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:20]:
         print(f"  {ms:8.3f} ms x{n / (steps * per):7.1f}  {name[:96]}")

@@ -114,25 +114,49 @@ def _truncate(x: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array
     return x
 
 
+SAMPLE_BLOCK = 512  # vocabulary entries per block of the two-level inverse CDF
+
+
 def _sample(x_BV, keys_B2, temperature_B):
     """Samples one token per row from processed logits; returns (token, its log-prob).
 
     Inverse-CDF sampling: one uniform draw per row (a Gumbel draw per vocabulary entry costs
     the CPU more than the tiny model's step), the first token whose cumulative probability
-    exceeds it; tokens of zero probability are never drawn.
+    exceeds it; tokens of zero probability are never drawn. Large vocabularies find the draw in
+    two levels (the block, then the token within it), so no pass scans the whole row: a
+    full-row cumulative sum is a multi-pass scan on accelerators.
     """
-    logp_all = jax.nn.log_softmax(x_BV, axis=-1)
-    probs = jnp.exp(logp_all)
-    cdf = jnp.cumsum(probs, axis=-1)
+    B, V = x_BV.shape
+    m = jnp.max(x_BV, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(x_BV - m)  # unnormalized probabilities; masked entries are exactly 0
+    blk = SAMPLE_BLOCK if V > 4 * SAMPLE_BLOCK else V
+    nb = -(-V // blk)
+    p3 = jnp.pad(p, ((0, 0), (0, nb * blk - V))).reshape(B, nb, blk)
+    bsum = jnp.sum(p3, axis=-1)  # [B, nb]
+    bcdf = jnp.cumsum(bsum, axis=-1)
+    total = bcdf[:, -1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
-    sampled = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
-    # Rounding may put the draw at the total: the last token of nonzero probability then.
-    V = x_BV.shape[-1]
-    last = V - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    sampled = jnp.minimum(sampled, last)
+    target = u * total
+
+    def first_above(cdf, mass, t):
+        """Index of the first entry whose cumulative mass exceeds t; rounding may put t at the
+        total: the last entry of nonzero mass then."""
+        i = jnp.sum(cdf <= t[:, None], axis=-1)
+        n = cdf.shape[-1]
+        last = n - 1 - jnp.argmax((mass > 0)[:, ::-1], axis=-1)
+        return jnp.minimum(i, last)
+
+    j = first_above(bcdf, bsum, target)
+    within = jnp.take_along_axis(p3, j[:, None, None], axis=1)[:, 0]  # [B, blk]
+    prev = jnp.pad(bcdf, ((0, 0), (1, 0)))  # the mass before each block
+    before = jnp.take_along_axis(prev, j[:, None], axis=1)[:, 0]
+    i = first_above(before[:, None] + jnp.cumsum(within, axis=-1), within, target)
+    sampled = j * blk + i
     greedy = jnp.argmax(x_BV, axis=-1)
     tok = jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
-    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+    x_tok = jnp.take_along_axis(x_BV, tok[:, None], axis=-1)[:, 0]
+    return tok, x_tok - m[:, 0] - jnp.log(total)
 
 
 def _key_data(seed: int) -> np.ndarray:
