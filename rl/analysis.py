@@ -386,3 +386,44 @@ def sweep_table(results_csv: str | os.PathLike) -> pd.DataFrame:
     if not path.is_file():
         raise FileNotFoundError(f"sweep results {path} not found (expected a CSV file)")
     return pd.read_csv(path)
+
+
+def seed_stats(results_csv: str | os.PathLike, x: str, by: str, metric: str) -> pd.DataFrame:
+    """A sweep's `metric` column (e.g. "eval/accuracy:final") over seeds: mean, std (sample,
+    ddof 1) and count of the ok runs per (by, x) cell, e.g. by="algorithm.loss",
+    x="trainer.max_staleness"."""
+    table = sweep_table(results_csv)
+    missing = [c for c in (x, by, metric) if c not in table.columns]
+    if missing:
+        raise KeyError(f"{results_csv}: no column(s) {missing}; columns: {list(table.columns)}")
+    if "status" in table.columns:
+        table = table[table["status"] == "ok"]
+    stats = table.groupby([by, x])[metric].agg(["mean", "std", "count"])
+    return stats.reset_index().sort_values([by, x])
+
+
+def plot_seed_study(
+    results_csv: str | os.PathLike,
+    x: str,
+    by: str,
+    metric: str,
+    out: str | os.PathLike = "study.png",
+    baseline: float | None = None,
+) -> Path:
+    """Mean +- std over seeds of a sweep's `metric` against `x`, one line per value of `by`
+    (seed_stats); baseline: a horizontal reference (e.g. the warm start's accuracy)."""
+    stats = seed_stats(results_csv, x, by, metric)
+    fig, (ax,) = _figure(size=(6.0, 4.0))
+    for i, (name, df) in enumerate(stats.groupby(by)):
+        xs, mean, std = df[x].to_numpy(), df["mean"].to_numpy(), df["std"].fillna(0.0).to_numpy()
+        n = int(df["count"].min())
+        ax.errorbar(
+            xs, mean, yerr=std, marker="o", capsize=4, color=f"C{i}", label=f"{name} (n={n})"
+        )
+    if baseline is not None:
+        ax.axhline(baseline, color="0.5", linestyle="--", linewidth=1, label="start")
+    ax.set_xlabel(x)
+    ax.set_ylabel(f"{metric} (mean +- std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out)

@@ -142,6 +142,36 @@ def test_run_summary_and_sweep_table(synthetic_runs):
         analysis.sweep_table(synthetic_runs / "missing.csv")
 
 
+def write_study_csv(path):
+    """A staleness study's results.csv: three seeds per cell and one failed run."""
+    rows = ["run,seed,trainer.max_staleness,algorithm.loss,status,eval/accuracy:final"]
+    acc = {("ppo_clip", 0): [0.5, 0.6, 0.7], ("ppo_clip", 8): [0.2, 0.3, 0.1]}
+    acc[("decoupled_ppo", 8)] = [0.6, 0.6, 0.6]
+    for (loss, eta), values in acc.items():
+        for seed, a in enumerate(values):
+            rows.append(f"r,{seed},{eta},{loss},ok,{a}")
+    rows.append("r,3,8,ppo_clip,failed,")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_seed_study_statistics_and_plot(tmp_path):
+    """Mean and sample std over seeds per cell; failed runs left out; the plot is written."""
+    write_study_csv(tmp_path / "results.csv")
+    x, by, m = "trainer.max_staleness", "algorithm.loss", "eval/accuracy:final"
+    stats = analysis.seed_stats(tmp_path, x, by, m).set_index([by, x])
+    assert stats.loc[("ppo_clip", 0), "mean"] == pytest.approx(0.6)
+    assert stats.loc[("ppo_clip", 0), "std"] == pytest.approx(0.1)  # sample std (ddof 1)
+    assert stats.loc[("ppo_clip", 8), "count"] == 3 and stats.loc[("ppo_clip", 8), "mean"] == (
+        pytest.approx(0.2)
+    )
+    assert stats.loc[("decoupled_ppo", 8), "std"] == pytest.approx(0.0)
+    png = analysis.plot_seed_study(tmp_path, x, by, m, out=tmp_path / "s.png", baseline=0.2)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KeyError, match="no column"):
+        analysis.seed_stats(tmp_path, "trainer.nope", by, m)
+
+
 def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     import nbclient
     import nbformat
@@ -149,6 +179,7 @@ def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     out = tmp_path / "nb_out"
     monkeypatch.setenv("TANDEM_RUN_DIRS", str(synthetic_runs / "*"))
     monkeypatch.setenv("TANDEM_OUT_DIR", str(out))
+    monkeypatch.setenv("TANDEM_STUDY_CSV", str(write_study_csv(tmp_path / "study.csv")))
     nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
     assert "RUN_DIRS" in nb.cells[1].source and "parameters" in nb.cells[1].metadata["tags"]
     client = nbclient.NotebookClient(
@@ -161,10 +192,10 @@ def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     for name in ("reward_vs_step", "reward_vs_time", "eval_vs_step", "eval_vs_time",
-                 "staleness", "idle", "throughput"):  # fmt: skip
+                 "staleness", "idle", "throughput", "staleness_study"):  # fmt: skip
         assert_png(out / f"{name}.png")
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 7
+    assert len(images) == 8
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "synthetic-async" in html  # the run summary table
     assert "eval_accuracy" in html  # the sweep table found next to the runs

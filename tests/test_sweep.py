@@ -33,7 +33,7 @@ def _write(tmp_path, data: dict, name: str = "s.yaml") -> str:
 def test_staleness_sweep_expands_to_valid_configs():
     sw = S.load(STALENESS)
     assert sw.name == "staleness" and sw.base == BASE
-    assert len(sw.runs) == 10
+    assert len(sw.runs) == 18
     seen = set()
     for run in sw.runs:
         cmd = S.command(sw, run, f"/tmp/out/{run.name}")
@@ -41,9 +41,15 @@ def test_staleness_sweep_expands_to_valid_configs():
         cfg = C.load(cmd[cmd.index("--config") + 1], _sets(cmd))
         assert cfg.trainer.mode == "async"
         assert cfg.name == f"staleness/{run.name}"
-        assert cfg.seed == 0
-        seen.add((cfg.trainer.max_staleness, cfg.algorithm.loss))
-    assert seen == {(e, loss) for e in (0, 1, 2, 4, 8) for loss in ("ppo_clip", "decoupled_ppo")}
+        # every run starts from the one exported warm start, RL only
+        assert (cfg.model.init, cfg.model.path, cfg.sft.steps) == (
+            "hf",
+            "runs/staleness-warm-start-hf",
+            0,
+        )
+        seen.add((cfg.trainer.max_staleness, cfg.algorithm.loss, cfg.seed))
+    cells = {(e, loss) for e in (0, 4, 16) for loss in ("ppo_clip", "decoupled_ppo")}
+    assert seen == {(e, loss, seed) for e, loss in cells for seed in (0, 1, 2)}
     assert sw.runs[0].name == "max_staleness-0_loss-ppo_clip_seed-0"
     assert sw.metrics[0] == "eval/accuracy"
 
