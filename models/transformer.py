@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import decode_attention
 from models.attention import attention
 from models.config import ModelConfig
 
@@ -491,14 +492,20 @@ class Transformer(nnx.Module):
         return [(layer, layer.fused()) for layer in layers]
 
     @_precise
-    def decode(self, tokens, positions, cache: KVCache, layers=None) -> tuple[jax.Array, KVCache]:
+    def decode(
+        self, tokens, positions, cache: KVCache, layers=None, attention: str = "xla"
+    ) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
 
         Row b attends to cache slots <= positions[b]; positions must be < cache.max_len.
         layers: per_layer()'s modules and fused kernels, for a caller that decodes many steps
         with the same weights (each step then reads them in place, without slicing or fusing
         them again); the layers are unrolled either way (one cache array per layer).
+        attention: "xla", or "pallas" (models.decode_attention: one kernel per layer that reads
+        only the valid slots, where it applies; interpreted on a CPU, for tests).
         """
+        if attention not in ("xla", "pallas"):
+            raise ValueError(f"decode: attention={attention!r}; valid: 'xla', 'pallas'")
         S = cache.max_len
         rope = rotary(self.config, positions[:, None])
         valid_BS = jnp.arange(S)[None, :] <= positions[:, None]
@@ -506,9 +513,20 @@ class Transformer(nnx.Module):
             layers = self.per_layer()
         ks, vs = list(cache.k), list(cache.v)
         x_B1D = self.model.embed_tokens(tokens[:, None])
+        c = self.config
+        q_like = jax.ShapeDtypeStruct((1, c.num_attention_heads, c.head_dim), c.dtype)
+        kernel = attention == "pallas" and decode_attention.supported(
+            q_like, c.num_key_value_heads, S
+        )
+        interpret = jax.default_backend() == "cpu"
         for i, (layer, fused) in enumerate(layers):
 
             def attend(q, k, v, i=i):
+                if kernel:
+                    o, ks[i], vs[i] = decode_attention.decode_attention(
+                        q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], positions, interpret=interpret
+                    )
+                    return o[:, None], None
                 # Only the new slots are written, in place in the layer's own buffers.
                 ks[i] = _write_slot(ks[i], k[:, 0], positions, KVCache.K_POS)
                 vs[i] = _write_slot(vs[i], v[:, 0], positions, KVCache.V_POS)

@@ -16,8 +16,10 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_prefill_then_decode_matches_full_forward(name):
+def test_prefill_then_decode_matches_full_forward(name, attention):
+    """Also with the Pallas decode kernel (interpreted on a CPU): float32 stays float32."""
     config = CONFIGS[name]
     model = randomize(create_model(config, seed=1))
     rng = np.random.RandomState(0)
@@ -33,7 +35,7 @@ def test_prefill_then_decode_matches_full_forward(name):
     assert np.abs(ref).max() > 1.0
 
     prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
-    decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, attention=attention))
     cache = init_cache(config, B, S)
     logits, cache = prefill(model, jnp.asarray(prompts), jnp.asarray(lengths), cache)
     assert logits.dtype == jnp.float32 and logits.shape == (B, T_prompt, config.vocab_size)

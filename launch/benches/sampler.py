@@ -66,9 +66,12 @@ def bench_sampler(args) -> dict:
     B, P, N = args.batch, args.prompt_len, args.new_tokens
     if N < 2:
         raise ValueError(f"--new-tokens={N} must be >= 2 (decode time = full - prefill-only)")
-    print(f"sampler: {args.preset} {cfg.dtype} attention={attention} batch={B} prompt={P} new={N}")
+    print(
+        f"sampler: {args.preset} {cfg.dtype} attention={attention} batch={B} prompt={P} new={N} "
+        f"decode attention: {args.decode_attention}"
+    )
     model = create_model(cfg, make_mesh(devices=jax.devices()[:1]), seed=0)
-    engine = je.JaxEngine(model, max_batch=B)
+    engine = je.JaxEngine(model, max_batch=B, decode_attention=args.decode_attention)
     del model
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, P).astype(np.int32) for _ in range(B)]
@@ -244,6 +247,12 @@ def bench_workload(args) -> dict:
     return out
 
 
+def je_decode_attention() -> tuple[str, ...]:
+    from rl.rollout.jax_engine import DECODE_ATTENTION
+
+    return DECODE_ATTENTION
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launch.bench sampler",
@@ -268,6 +277,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1.0, help="longtail: Pareto tail index")
     p.add_argument("--vllm", action="store_true", help="also a vLLM host on the same requests")
     p.add_argument("--vllm-ready-s", type=float, default=600.0, help="vLLM startup deadline")
+    p.add_argument(
+        "--decode-attention",
+        choices=je_decode_attention(),
+        default="auto",
+        help="roofline: the decode step's attention (auto: the Pallas kernel on one GPU)",
+    )
     p.add_argument(
         "--profile", action="store_true", help="roofline: GPU kernel time per decode step by kind"
     )

@@ -84,6 +84,7 @@ FINE_LEN_BUCKETS += (1280, 1536, 2048, 2560, 3072, 4096)
 PROMPT_BUCKETS = (8,) + LEN_BUCKETS  # prefill lengths
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFILL_BUCKETS = (1, 4, 16, 64, 256, 1024)  # new rows per admission: few prefill programs
+DECODE_ATTENTION = ("auto", "xla", "pallas")  # auto: the Pallas kernel on one GPU, else XLA
 EARLY_EXIT_FRACTION = 8  # a chunk ends early once 1/8 of the slots finished (rows waiting)
 
 
@@ -262,11 +263,16 @@ class JaxEngine:
         overlap: bool | None = None,
         cache_len: int | None = None,
         early_exit: bool | None = None,
+        decode_attention: str = "auto",
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
         if chunk < 1 or max_batch < 1:
             raise ValueError(f"JaxEngine: chunk={chunk}, max_batch={max_batch}; both must be >= 1")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"JaxEngine: decode_attention {decode_attention!r}; valid: {DECODE_ATTENTION}"
+            )
         self.update_mode = update_mode
         self.background_install = background_install
         self.continuous = continuous
@@ -288,6 +294,11 @@ class JaxEngine:
         nd = len(self.devices)
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
         accelerator = self.devices[0].platform != "cpu"
+        # The Pallas kernel runs on one GPU (a custom call the row-sharding does not split).
+        if decode_attention == "auto":
+            gpu = self.devices[0].platform == "gpu" and nd == 1
+            decode_attention = "pallas" if gpu else "xla"
+        self.decode_attention = decode_attention
         self.overlap = accelerator if overlap is None else overlap
         # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
         # condition may wait on the host each step) is kept to the CPU by default.
@@ -465,7 +476,7 @@ class JaxEngine:
 
         def one(i, c):
             cache, tok, pos, n, done, toks, lps = c
-            logits, cache = model.decode(tok, pos, cache, layers)
+            logits, cache = model.decode(tok, pos, cache, layers, self.decode_attention)
             keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
             new, lp = _sample(process_logits(logits, temp, top_k, top_p), keys_i, temp)
             active = ~done

@@ -1,0 +1,61 @@
+"""The Pallas decode-attention kernel (interpreted on a CPU) against the XLA path: outputs in
+float32 within 1e-6, the current token's key and value written to its slot and nothing else."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.decode_attention import decode_attention, supported
+from models.transformer import _decode_attention, _write_slot
+
+
+def _case(B, K, G, H, S, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+    return arr(B, K * G, H), arr(B, K, H), arr(B, K, H), arr(B, K, H, S), arr(B, K, S, H)
+
+
+def _xla(q, kn, vn, kc, vc, pos):
+    k2, v2 = _write_slot(kc, kn, pos, 3), _write_slot(vc, vn, pos, 2)
+    valid = jnp.arange(kc.shape[3])[None, :] <= pos[:, None]
+    return _decode_attention(q, k2, v2, valid), k2, v2
+
+
+@pytest.mark.parametrize(
+    "K, G, S, positions",
+    [
+        (2, 7, 128, [0, 1, 63, 64, 65, 127]),  # block edges of 64, the first and last slot
+        (1, 1, 48, [0, 15, 16, 47]),  # one query head per kv head; 48 slots: blocks of 16
+        (4, 16, 32, [3, 31]),  # a full group of 16 query heads
+    ],
+)
+def test_kernel_matches_the_xla_path_in_float32(K, G, S, positions):
+    pos = jnp.asarray(positions, jnp.int32)
+    q, kn, vn, kc, vc = _case(len(positions), K, G, 64, S, jnp.float32)
+    want_o, want_k, want_v = _xla(q, kn, vn, kc, vc, pos)
+    o, k, v = decode_attention(q, kn, vn, kc, vc, pos, interpret=True)
+    assert o.shape == want_o.shape and o.dtype == jnp.float32
+    assert np.abs(np.asarray(o) - np.asarray(want_o)).max() < 1e-6
+    assert np.array_equal(np.asarray(k), np.asarray(want_k))
+    assert np.array_equal(np.asarray(v), np.asarray(want_v))
+
+
+def test_kernel_in_bfloat16_is_within_rounding_of_the_xla_path():
+    pos = jnp.asarray([0, 5, 64, 127], jnp.int32)
+    q, kn, vn, kc, vc = _case(4, 2, 7, 64, 128, jnp.bfloat16, seed=1)
+    want_o, want_k, want_v = _xla(q, kn, vn, kc, vc, pos)
+    o, k, v = decode_attention(q, kn, vn, kc, vc, pos, interpret=True)
+    want = np.asarray(want_o, np.float32)
+    # The kernel normalizes after p.v (flash order), XLA before: one bfloat16 rounding apart.
+    assert np.abs(np.asarray(o, np.float32) - want).max() <= 2**-7 * max(1.0, np.abs(want).max())
+    assert np.array_equal(np.asarray(k), np.asarray(want_k))
+    assert np.array_equal(np.asarray(v), np.asarray(want_v))
+
+
+def test_supported_shapes():
+    q = jnp.zeros((2, 14, 64), jnp.bfloat16)
+    assert supported(q, 2, 384) and supported(q, 2, 48) and supported(q, 2, 16)
+    assert not supported(q, 2, 24)  # no block of 16 or more divides the cache
+    assert not supported(jnp.zeros((2, 32, 64), jnp.bfloat16), 1, 384)  # 32 heads per kv head
+    assert not supported(jnp.zeros((2, 14, 48), jnp.bfloat16), 2, 384)  # head dim not 2^n
+    assert not supported(jnp.zeros((2, 14, 64), jnp.int32), 2, 384)
