@@ -30,7 +30,7 @@ def supported(q_BNH: jax.Array, num_kv_heads: int, cache_len: int) -> bool:
     return (
         q_BNH.dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
         and q_BNH.shape[1] // num_kv_heads <= HEADS_PAD
-        and H >= 16
+        and H >= 32  # rotary in the kernel takes the head dim in halves of 16 or more
         and H & (H - 1) == 0
         and _block(cache_len) is not None
     )
@@ -40,41 +40,83 @@ def _block(cache_len: int) -> int | None:
     return next((b for b in BLOCK_S if cache_len % b == 0), None)
 
 
-def _kernel(pos_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, k_out, v_out, *, block, G):
+def _kernel(
+    pos_ref, q_ref, kn_ref, vn_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, k_out, v_out, **kw
+):
+    block, G, q0, k0, v0 = kw["block"], kw["G"], kw["q0"], kw["k0"], kw["v0"]
     b, h = pl.program_id(0), pl.program_id(1)
     H = q_ref.shape[-1]
+    # With rotary here the head dim is taken in halves (rotate-half pairs d with d + H/2).
+    parts = (pl.ds(0, H),) if cos_ref is None else (pl.ds(0, H // 2), pl.ds(H // 2, H // 2))
+    dtype, f32 = q_ref.dtype, jnp.float32
     scale = 1.0 / float(np.sqrt(H))
-    exact = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None  # no TF32
+    exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32
     pos = pos_ref[b]
     # The group's G query heads, padded to HEADS_PAD rows by the masked load (rows past G: 0).
-    rows = pl.ds(h * G, HEADS_PAD)
+    rows = pl.ds(q0 + h * G, HEADS_PAD)
     in_group = (jnp.arange(HEADS_PAD) < G)[:, None]
-    q = plgpu.load(q_ref.at[b, rows, :], mask=in_group, other=0)  # [HEADS_PAD, H]
-    kn, vn = kn_ref[...], vn_ref[...]  # [H]
-    f32 = jnp.float32
+    q = [plgpu.load(q_ref.at[b, rows, d], mask=in_group, other=0).astype(f32) for d in parts]
+    kn = [kn_ref[b, k0 + h, d].astype(f32) for d in parts]
+    if cos_ref is not None:  # rotary here, as models.transformer._apply_rotary computes it
+        cos, sin = cos_ref[b, parts[0]].astype(f32), sin_ref[b, parts[0]].astype(f32)
+        rot = lambda lo, hi: (lo * cos - hi * sin, hi * cos + lo * sin)
+        q, kn = list(rot(*q)), list(rot(*kn))
+    q = [x.astype(dtype) for x in q]  # the dot operands in the compute dtype, as XLA's
+    kn = [x.astype(dtype) for x in kn]
+    vn = vn_ref[b, v0 + h, :]
     # The current token, from registers: it starts the running softmax.
-    m = jnp.sum(q.astype(f32) * kn.astype(f32)[None, :], axis=1) * scale  # [HEADS_PAD]
+    m = sum(jnp.sum(x.astype(f32) * y.astype(f32)[None, :], axis=1) for x, y in zip(q, kn))
+    m = m * scale  # [HEADS_PAD]
     total = jnp.ones_like(m)  # the softmax denominator so far
-    o = jnp.broadcast_to(vn.astype(f32)[None, :], q.shape)
+    o = jnp.broadcast_to(vn.astype(f32)[None, :], (HEADS_PAD, H))
 
     def body(j, carry):
         o, m, total = carry
         start = pl.multiple_of(j * block, block)
-        k = k_ref[b, h, :, pl.ds(start, block)]  # [H, block]
-        s = plgpu.dot(q, k, precision=exact) * scale  # float32 [HEADS_PAD, block]
+        cols = pl.ds(start, block)
+        s = sum(plgpu.dot(x, k_ref[b, h, d, cols], precision=exact) for x, d in zip(q, parts))
+        s = s * scale  # float32 [HEADS_PAD, block]
         valid = start + jnp.arange(block) < pos  # cache slots before the current token
         s = jnp.where(valid[None, :], s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         c = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
-        v = v_ref[b, h, pl.ds(start, block), :]  # [block, H]
+        v = v_ref[b, h, cols, :]  # [block, H]
         o = c[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=exact)
         return o, m_new, c * total + jnp.sum(p, axis=1)
 
     o, m, total = jax.lax.fori_loop(0, pl.cdiv(pos, block), body, (o, m, total))
-    plgpu.store(o_ref.at[b, rows, :], (o / total[:, None]).astype(o_ref.dtype), mask=in_group)
-    k_out[b, h, :, pl.ds(pos, 1)] = kn[:, None]
-    v_out[b, h, pl.ds(pos, 1), :] = vn[None, :]
+    out_rows = pl.ds(h * G, HEADS_PAD)
+    plgpu.store(o_ref.at[b, out_rows, :], (o / total[:, None]).astype(o_ref.dtype), mask=in_group)
+    for x, d in zip(kn, parts):
+        k_out[b, h, d, pl.ds(pos, 1)] = x.astype(k_out.dtype)[:, None]
+    v_out[b, h, pl.ds(pos, 1), :] = vn.astype(v_out.dtype)[None, :]
+
+
+def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, interpret):
+    B, H = q.shape[0], q.shape[-1]
+    K, S = k_cache.shape[1], k_cache.shape[3]
+    q0, k0, v0 = offsets
+    kernel = functools.partial(_kernel, block=_block(S), G=N // K, q0=q0, k0=k0, v0=v0)
+    whole = pl.no_block_spec
+    cos, sin = rope if rope is not None else (None, None)
+    n_in = 4 if rope is None else 6  # operands before the caches (None is no operand)
+    o, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(B, K),
+        in_specs=[whole] * 4 + [whole if rope is not None else None] * 2 + [whole] * 2,
+        out_specs=[whole] * 3,
+        out_shape=[
+            jax.ShapeDtypeStruct((B, N, H), q.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
+        input_output_aliases={n_in: 1, n_in + 1: 2},  # the caches, updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
+        interpret=interpret,
+        name="tandem_decode_attention",
+    )(positions_B.astype(jnp.int32), q, kn, vn, cos, sin, k_cache, v_cache)
+    return o, k_cache, v_cache
 
 
 def decode_attention(q_BNH, k_BKH, v_BKH, k_cache, v_cache, positions_B, *, interpret=False):
@@ -82,31 +124,28 @@ def decode_attention(q_BNH, k_BKH, v_BKH, k_cache, v_cache, positions_B, *, inte
     [0, positions[b]) and the current token (k_BKH, v_BKH), which is written to slot
     positions[b]. k_cache [B, K, H, S], v_cache [B, K, S, H] (models.transformer.KVCache);
     float32 logits and softmax, as the XLA path."""
-    B, N, H = q_BNH.shape
-    K, S = k_cache.shape[1], k_cache.shape[3]
-    kernel = functools.partial(_kernel, block=_block(S), G=N // K)
-    one = pl.BlockSpec((None, None, H), lambda b, h: (b, h, 0))  # row b, kv head h
-    whole = pl.no_block_spec
-    o, k_cache, v_cache = pl.pallas_call(
-        kernel,
-        grid=(B, K),
-        in_specs=[whole, whole, one, one, whole, whole],
-        out_specs=[whole, whole, whole],
-        out_shape=[
-            jax.ShapeDtypeStruct(q_BNH.shape, q_BNH.dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        ],
-        input_output_aliases={4: 1, 5: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
-        interpret=interpret,
-        name="tandem_decode_attention",
-    )(
-        positions_B.astype(jnp.int32),
-        q_BNH,
-        k_BKH.astype(k_cache.dtype),
-        v_BKH.astype(v_cache.dtype),
+    N = q_BNH.shape[1]
+    kn, vn = k_BKH.astype(k_cache.dtype), v_BKH.astype(v_cache.dtype)
+    return _call(q_BNH, kn, vn, None, k_cache, v_cache, positions_B, (0, 0, 0), N, interpret)
+
+
+def decode_attention_qkv(
+    qkv_BXH, rope, k_cache, v_cache, positions_B, *, num_heads: int, interpret=False
+):
+    """decode_attention of the fused projection's raw output qkv [B, N + 2K, H] (q heads, then
+    k, then v, before rotary), with rotary applied in the kernel: rope = (cos, sin) [B, H] of
+    models.transformer.rotary at the positions. Saves the split and rotary kernels per layer."""
+    N, K = num_heads, k_cache.shape[1]
+    cos, sin = rope
+    return _call(
+        qkv_BXH,
+        qkv_BXH,
+        qkv_BXH,
+        (cos, sin),
         k_cache,
         v_cache,
+        positions_B,
+        (0, N, N + K),
+        N,
+        interpret,
     )
-    return o, k_cache, v_cache

@@ -213,13 +213,30 @@ class DecoderLayer(nnx.Module):
 
         fused: fused()'s kernels (decode steps: fewer, larger GEMMs).
         """
-        B, T, _ = x_BTD.shape
         qkv, gate_up = fused if fused is not None else (None, None)
-        q, k, v = self.self_attn.project(self.input_layernorm(x_BTD), rope, qkv)
-        o_BTNH, extra = attend(q, k, v)
+        extra = []
+
+        def attention(h_BTD):
+            o_BTNH, e = attend(*self.self_attn.project(h_BTD, rope, qkv))
+            extra.append(e)
+            return o_BTNH
+
+        return self._residual(x_BTD, attention, gate_up), extra[0]
+
+    def decode_step(self, x_BTD, attend_qkv, fused):
+        """The block with fused() kernels and an attention that takes the fused q/k/v
+        projection's raw output: `attend_qkv(qkv [B, T, (N + 2K) H]) -> o [B, T, N, H]` applies
+        rotary and splits the heads itself (the decode kernel, one call instead of several)."""
+        (w, bias), gate_up = fused
+        dtype = self.self_attn.q_proj.dtype
+        return self._residual(x_BTD, lambda h: attend_qkv(_linear(h, w, bias, dtype)), gate_up)
+
+    def _residual(self, x_BTD, attention, gate_up):
+        """x + o_proj(attention(norm(x))), then x + mlp(norm(x))."""
+        B, T, _ = x_BTD.shape
+        o_BTNH = attention(self.input_layernorm(x_BTD))
         x_BTD = x_BTD + self.self_attn.o_proj(o_BTNH.reshape(B, T, -1))
-        x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), gate_up)
-        return x_BTD, extra
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), gate_up)
 
     def fused(self) -> tuple:
         """((qkv kernel, bias), gate/up kernel): the projections that share an input, fused."""
@@ -519,7 +536,27 @@ class Transformer(nnx.Module):
             q_like, c.num_key_value_heads, S
         )
         interpret = jax.default_backend() == "cpu"
+        # Without q/k norms the kernel also applies rotary and splits the fused projection.
+        in_kernel_rope = kernel and not c.qk_norm
+        B, N, H = tokens.shape[0], c.num_attention_heads, c.head_dim
+        cos_BH, sin_BH = (r.reshape(B, H) for r in rope)  # [B, 1, 1, H]: one position a row
         for i, (layer, fused) in enumerate(layers):
+            if in_kernel_rope:
+
+                def attend_qkv(qkv_B1X, i=i):
+                    o, ks[i], vs[i] = decode_attention.decode_attention_qkv(
+                        qkv_B1X.reshape(B, -1, H),
+                        (cos_BH, sin_BH),
+                        ks[i],
+                        vs[i],
+                        positions,
+                        num_heads=N,
+                        interpret=interpret,
+                    )
+                    return o[:, None]
+
+                x_B1D = layer.decode_step(x_B1D, attend_qkv, fused)
+                continue
 
             def attend(q, k, v, i=i):
                 if kernel:

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.decode_attention import decode_attention, supported
-from models.transformer import _decode_attention, _write_slot
+from models import tiny
+from models.decode_attention import decode_attention, decode_attention_qkv, supported
+from models.transformer import _apply_rotary, _decode_attention, _write_slot, rotary
 
 
 def _case(B, K, G, H, S, dtype, seed=0):
@@ -55,7 +56,31 @@ def test_kernel_in_bfloat16_is_within_rounding_of_the_xla_path():
 def test_supported_shapes():
     q = jnp.zeros((2, 14, 64), jnp.bfloat16)
     assert supported(q, 2, 384) and supported(q, 2, 48) and supported(q, 2, 16)
+    assert not supported(jnp.zeros((2, 14, 16), jnp.bfloat16), 2, 384)  # halves below 16
     assert not supported(q, 2, 24)  # no block of 16 or more divides the cache
     assert not supported(jnp.zeros((2, 32, 64), jnp.bfloat16), 1, 384)  # 32 heads per kv head
     assert not supported(jnp.zeros((2, 14, 48), jnp.bfloat16), 2, 384)  # head dim not 2^n
     assert not supported(jnp.zeros((2, 14, 64), jnp.int32), 2, 384)
+
+
+def test_kernel_with_rotary_matches_rotary_then_the_xla_path():
+    """decode_attention_qkv takes the fused projection's raw [B, N + 2K, H] output and applies
+    rotary itself: against _apply_rotary then the XLA path (float32; the kernel's two half-dim
+    dots sum in another order than one dot, hence 1e-5 rather than 1e-6)."""
+    B, K, G, H, S = 6, 2, 7, 64, 128
+    N = K * G
+    rng = np.random.default_rng(2)
+    qkv = jnp.asarray(rng.normal(size=(B, N + 2 * K, H)), jnp.float32)
+    kc = jnp.asarray(rng.normal(size=(B, K, H, S)), jnp.float32)
+    vc = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
+    pos = jnp.asarray([0, 1, 63, 64, 100, 127], jnp.int32)
+    config = tiny(head_dim=H, hidden_size=4 * H, rope_theta=10000.0)
+    cos, sin = rotary(config, pos[:, None])  # [B, 1, 1, H]
+    q, k, v = qkv[:, :N], qkv[:, N : N + K], qkv[:, N + K :]
+    q, k = (_apply_rotary(x[:, None], cos, sin)[:, 0] for x in (q, k))
+    want_o, want_k, want_v = _xla(q, k, v, kc, vc, pos)
+    rope = (cos.reshape(B, H), sin.reshape(B, H))
+    o, k2, v2 = decode_attention_qkv(qkv, rope, kc, vc, pos, num_heads=N, interpret=True)
+    assert np.abs(np.asarray(o) - np.asarray(want_o)).max() < 1e-5
+    assert np.abs(np.asarray(k2) - np.asarray(want_k)).max() < 1e-5
+    assert np.array_equal(np.asarray(v2), np.asarray(want_v))
