@@ -1,6 +1,7 @@
 """launch.sweep: sweep-file validation, run expansion, results, and a real smoke sweep."""
 
 import csv
+import glob
 import json
 import os
 import re
@@ -52,6 +53,19 @@ def test_staleness_sweep_expands_to_valid_configs():
     assert seen == {(e, loss, seed) for e, loss in cells for seed in (0, 1, 2)}
     assert sw.runs[0].name == "max_staleness-0_loss-ppo_clip_seed-0"
     assert sw.metrics[0] == "eval/accuracy"
+
+
+SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
+def test_every_sweep_file_expands_to_valid_configs(path):
+    sw = S.load(path)
+    assert sw.runs
+    for run in sw.runs:
+        cmd = S.command(sw, run, f"/tmp/out/{run.name}")
+        cfg = C.load(cmd[cmd.index("--config") + 1], _sets(cmd))
+        assert cfg.name == f"{sw.name}/{run.name}"
 
 
 def test_smoke_sweep_is_tiny():
