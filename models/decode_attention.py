@@ -3,8 +3,10 @@ only the row's valid cache positions, adds the current token from registers and 
 token's key and value into the cache in place.
 
 The XLA path (models.transformer._decode_attention after _write_slot) runs two scatters, two
-batched GEMMs and a masked softmax over the whole allocated cache per layer; on a GPU, where a
-decode step is a few hundred small kernels, this one kernel replaces those five.
+batched GEMMs and a masked softmax over the whole allocated cache per layer, and before them
+the split of the fused q/k/v projection and rotary; on a GPU, where a decode step is a few
+hundred small kernels, this one kernel replaces them (rotary only for models without q/k norms,
+which come between the projection and rotary).
 """
 
 from __future__ import annotations
@@ -41,9 +43,25 @@ def _block(cache_len: int) -> int | None:
 
 
 def _kernel(
-    pos_ref, q_ref, kn_ref, vn_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, k_out, v_out, **kw
+    pos_ref,
+    q_ref,
+    kn_ref,
+    vn_ref,
+    cos_ref,
+    sin_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    k_out,
+    v_out,
+    *,
+    block,
+    G,
+    q0,
+    k0,
+    v0,
 ):
-    block, G, q0, k0, v0 = kw["block"], kw["G"], kw["q0"], kw["k0"], kw["v0"]
+    """Program (b, h): query rows q0 + h G .. of q_ref, key row k0 + h, value row v0 + h."""
     b, h = pl.program_id(0), pl.program_id(1)
     H = q_ref.shape[-1]
     # With rotary here the head dim is taken in halves (rotate-half pairs d with d + H/2).
