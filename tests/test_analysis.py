@@ -179,7 +179,9 @@ def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     out = tmp_path / "nb_out"
     monkeypatch.setenv("TANDEM_RUN_DIRS", str(synthetic_runs / "*"))
     monkeypatch.setenv("TANDEM_OUT_DIR", str(out))
-    monkeypatch.setenv("TANDEM_STUDY_CSV", str(write_study_csv(tmp_path / "study.csv")))
+    (tmp_path / "staleness").mkdir()  # the study's plot is named after its directory
+    study = write_study_csv(tmp_path / "staleness" / "results.csv")
+    monkeypatch.setenv("TANDEM_STUDY_CSV", str(study))
     nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
     assert "RUN_DIRS" in nb.cells[1].source and "parameters" in nb.cells[1].metadata["tags"]
     client = nbclient.NotebookClient(
