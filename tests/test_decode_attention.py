@@ -1,13 +1,15 @@
 """The Pallas decode-attention kernel (interpreted on a CPU) against the XLA path: outputs in
 float32 within 1e-6, the current token's key and value written to its slot and nothing else."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import tiny
+from models import create_model, tiny
 from models.decode_attention import decode_attention, decode_attention_qkv, supported
 from models.transformer import _apply_rotary, _decode_attention, _write_slot, rotary
+from rl.rollout.jax_engine import JaxEngine
 
 
 def _case(B, K, G, H, S, dtype, seed=0):
@@ -84,3 +86,15 @@ def test_kernel_with_rotary_matches_rotary_then_the_xla_path():
     assert np.abs(np.asarray(o) - np.asarray(want_o)).max() < 1e-5
     assert np.abs(np.asarray(k2) - np.asarray(want_k)).max() < 1e-5
     assert np.array_equal(np.asarray(v2), np.asarray(want_v))
+
+
+def test_engine_picks_xla_off_a_gpu_and_rejects_bad_choices():
+    model = create_model(tiny())
+    assert JaxEngine(model).decode_attention == "xla"  # a CPU: "auto" keeps XLA
+    assert JaxEngine(model, decode_attention="pallas").decode_attention == "pallas"
+    with pytest.raises(ValueError, match="decode_attention 'flash'; valid"):
+        JaxEngine(model, decode_attention="flash")
+    assert len(jax.devices()) == 4  # tests/conftest.py: four host devices
+    with pytest.raises(ValueError, match="runs on one device, got 2"):
+        JaxEngine(model, devices=jax.devices()[:2], decode_attention="pallas")
+    assert JaxEngine(model, devices=jax.devices()[:2]).decode_attention == "xla"

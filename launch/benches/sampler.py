@@ -247,7 +247,7 @@ def bench_workload(args) -> dict:
     return out
 
 
-def je_decode_attention() -> tuple[str, ...]:
+def _decode_attention_choices() -> tuple[str, ...]:
     from rl.rollout.jax_engine import DECODE_ATTENTION
 
     return DECODE_ATTENTION
@@ -279,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-ready-s", type=float, default=600.0, help="vLLM startup deadline")
     p.add_argument(
         "--decode-attention",
-        choices=je_decode_attention(),
+        choices=_decode_attention_choices(),
         default="auto",
         help="roofline: the decode step's attention (auto: the Pallas kernel on one GPU)",
     )

@@ -298,6 +298,11 @@ class JaxEngine:
         if decode_attention == "auto":
             gpu = self.devices[0].platform == "gpu" and nd == 1
             decode_attention = "pallas" if gpu else "xla"
+        if decode_attention == "pallas" and nd > 1:
+            raise ValueError(
+                f"JaxEngine: decode_attention 'pallas' runs on one device, got {nd}; valid with "
+                "several: 'auto' or 'xla'"
+            )
         self.decode_attention = decode_attention
         self.overlap = accelerator if overlap is None else overlap
         # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
