@@ -25,13 +25,14 @@ WARPS, STAGES = 2, 3  # Triton launch parameters
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
-def supported(q_BNH: jax.Array, num_kv_heads: int, cache_len: int) -> bool:
-    """Whether the kernel takes these shapes: a floating q (float32 stays float32), a group of
-    at most HEADS_PAD query heads, a power-of-two head dim and a cache of whole blocks."""
-    H = q_BNH.shape[-1]
+def supported(dtype, num_heads: int, num_kv_heads: int, head_dim: int, cache_len: int) -> bool:
+    """Whether the kernel takes these shapes: a floating compute dtype (float32 stays float32),
+    at most HEADS_PAD query heads per kv head, a power-of-two head dim and a cache of whole
+    blocks."""
+    H = head_dim
     return (
-        q_BNH.dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
-        and q_BNH.shape[1] // num_kv_heads <= HEADS_PAD
+        jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
+        and num_heads // num_kv_heads <= HEADS_PAD
         and H >= 32  # rotary in the kernel takes the head dim in halves of 16 or more
         and H & (H - 1) == 0
         and _block(cache_len) is not None
@@ -154,12 +155,11 @@ def decode_attention_qkv(
     k, then v, before rotary), with rotary applied in the kernel: rope = (cos, sin) [B, H] of
     models.transformer.rotary at the positions. Saves the split and rotary kernels per layer."""
     N, K = num_heads, k_cache.shape[1]
-    cos, sin = rope
     return _call(
         qkv_BXH,
         qkv_BXH,
         qkv_BXH,
-        (cos, sin),
+        rope,
         k_cache,
         v_cache,
         positions_B,

@@ -531,22 +531,21 @@ class Transformer(nnx.Module):
         ks, vs = list(cache.k), list(cache.v)
         x_B1D = self.model.embed_tokens(tokens[:, None])
         c = self.config
-        q_like = jax.ShapeDtypeStruct((1, c.num_attention_heads, c.head_dim), c.dtype)
+        B, N, H = tokens.shape[0], c.num_attention_heads, c.head_dim
         kernel = attention == "pallas" and decode_attention.supported(
-            q_like, c.num_key_value_heads, S
+            c.dtype, N, c.num_key_value_heads, H, S
         )
         interpret = jax.default_backend() == "cpu"
         # Without q/k norms the kernel also applies rotary and splits the fused projection.
         in_kernel_rope = kernel and not c.qk_norm
-        B, N, H = tokens.shape[0], c.num_attention_heads, c.head_dim
-        cos_BH, sin_BH = (r.reshape(B, H) for r in rope)  # [B, 1, 1, H]: one position a row
+        rope_BH = tuple(r.reshape(B, H) for r in rope)  # [B, 1, 1, H]: one position a row
         for i, (layer, fused) in enumerate(layers):
             if in_kernel_rope:
 
                 def attend_qkv(qkv_B1X, i=i):
                     o, ks[i], vs[i] = decode_attention.decode_attention_qkv(
                         qkv_B1X.reshape(B, -1, H),
-                        (cos_BH, sin_BH),
+                        rope_BH,
                         ks[i],
                         vs[i],
                         positions,
