@@ -72,7 +72,7 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
             with open(f"/proc/{pid}/status") as f:
                 if "zombie" in f.read():
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited between open and read
             return True
         time.sleep(0.05)
     return False
