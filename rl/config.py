@@ -517,6 +517,13 @@ def _check_ranges(cfg: RunConfig) -> None:
             f"trainer.transport={cfg.trainer.transport!r}, learner.hosts={cfg.learner.hosts}: "
             f"the accuracy probe needs the learner in this process; set sft.target_accuracy: 0"
         )
+    if cfg.sft.target_accuracy and cfg.sft.steps and cfg.sft.continue_optimizer:
+        raise ConfigError(
+            f"sft.continue_optimizer: invalid value True with sft.target_accuracy "
+            f"{cfg.sft.target_accuracy!r}: the shared optimizer's schedule turns to the RL lr "
+            f"after sft.steps ({cfg.sft.steps}), not where the warm start stops on its target; "
+            "valid: false, or sft.target_accuracy: 0"
+        )
     positive("algorithm.clip_eps", cfg.algorithm.clip_eps)
     positive("algorithm.is_cap", cfg.algorithm.is_cap)
     positive("learner.minibatches", cfg.learner.minibatches)

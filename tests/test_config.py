@@ -116,6 +116,12 @@ def test_resolved_config_round_trips(tmp_path):
             ["sft.target_accuracy", "0.2", "'ray'", "set sft.target_accuracy: 0"],
         ),
         ("", ["sft.check_every=0"], ["sft.check_every", "0", "must be > 0"]),
+        # one optimizer for both stages, whose schedule cannot know where a target stops
+        (
+            "",
+            ["sft.steps=300", "sft.target_accuracy=0.2", "sft.continue_optimizer=true"],
+            ["sft.continue_optimizer", "True", "after sft.steps (300)", "sft.target_accuracy: 0"],
+        ),
         # in-flight weight updates: the JAX sampler only
         (
             "",
