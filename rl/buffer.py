@@ -61,6 +61,7 @@ class GroupBuffer:
         self.tokens_discarded = 0  # generated tokens thrown away (see the module docstring)
         self._finished_stats: list[tuple[float, float]] = []  # (mean length, mean reward)
         self._trained_stats: list[tuple[float, float]] = []
+        self._window = [0, 0.0, 0]  # episodes, reward sum, correct: finished since sampled()
         self._cond = threading.Condition()
         self.error: BaseException | None = None
         self.stopped: str | None = None  # why stop() ended the learner's waits
@@ -75,6 +76,9 @@ class GroupBuffer:
             self.groups[group.group_id] = group
             self.counts["finished"] += 1
             self._finished_stats.append(_stats(group))
+            self._window[0] += len(group.episodes)
+            self._window[1] += float(group.rewards.sum())
+            self._window[2] += sum(bool(e.correct) for e in group.episodes)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -252,6 +256,17 @@ class GroupBuffer:
             buf.groups[gid] = g
         coordinator.resume_in_flight(buf.next_group, set(buf.groups) | buf.consumed)
         return buf
+
+    def sampled(self) -> dict[str, float]:
+        """sampled/reward and sampled/correct: means over every episode finished since the last
+        call, filtered and dropped groups included (reward/* covers the trained groups only,
+        which filtering tilts toward successes); then starts a new window. Empty: {}."""
+        with self._cond:
+            n, reward, correct = self._window
+            self._window = [0, 0.0, 0]
+        if not n:
+            return {}
+        return {"sampled/reward": reward / n, "sampled/correct": correct / n}
 
     def metrics(self) -> dict[str, float]:
         """Counts and the bias monitor (trained vs finished: length and reward means)."""

@@ -431,7 +431,7 @@ class Trainer:
                 if new % t.sync_every == 0 or new == t.total_updates:
                     t_sync = self.publish(engine, new, coord, buffer)
                 row, stale = update_row(groups, batch, met, version)
-                row.update(meter.row(t_wait, t_sync), **buffer.metrics())
+                row.update(meter.row(t_wait, t_sync), **buffer.metrics(), **buffer.sampled())
                 row.update(engine_metrics(engine.stats()))
                 row["staleness/bound"] = float(self.eta)
                 row["coordinator/redispatched"] = float(coord.redispatched)

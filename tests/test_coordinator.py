@@ -322,6 +322,28 @@ def test_bias_metrics_hand_values():
     assert m == pytest.approx(want)
 
 
+def test_sampled_metrics_cover_filtered_groups_and_reset_per_window():
+    """sampled/*: every finished episode since the previous call, filtered groups included,
+    where reward/* of the update sees the trained groups only."""
+    import dataclasses
+
+    def g(gid, rewards):
+        grp = group(gid, rewards)
+        eps = tuple(dataclasses.replace(e, correct=e.reward == 1.0) for e in grp.episodes)
+        return dataclasses.replace(grp, episodes=eps)
+
+    buf = GroupBuffer(Coordinator(2, 0))
+    assert buf.sampled() == {}
+    for gid, rewards in enumerate([[0, 0], [1, 0], [0, 0], [0.1, 1]]):
+        buf.put(g(gid, rewards))
+    trained = buf.get_batch(2, 0, timeout=0.01)
+    assert ids(trained) == [1, 3] and buf.metrics()["buffer/filtered"] == 2.0
+    assert buf.sampled() == pytest.approx({"sampled/reward": 2.1 / 8, "sampled/correct": 2 / 8})
+    assert buf.sampled() == {}  # a new window
+    buf.put(g(4, [1, 1]))
+    assert buf.sampled() == pytest.approx({"sampled/reward": 1.0, "sampled/correct": 1.0})
+
+
 # -- checkpoint state and resume -----------------------------------------------------------------
 def restore(coord: Coordinator, buf: GroupBuffer, published_version: int):
     """The pair a resume builds from a checkpoint of (coord, buf), meta through JSON as on disk."""
