@@ -20,7 +20,10 @@ from models.transformer import init_cache
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
 from rl.rollout.base import GenerationRequest, SamplingParams
-from rl.rollout.jax_engine import SAMPLE_BLOCK, JaxEngine, _key_data, _sample, process_logits
+from rl.rollout.jax_engine import JaxEngine
+from rl.rollout.sampling import SAMPLE_BLOCK, process_logits
+from rl.rollout.sampling import key_data as _key_data
+from rl.rollout.sampling import sample as _sample
 from rl.tasks import ArithmeticTask
 from rl.types import Episode
 

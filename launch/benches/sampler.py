@@ -57,6 +57,7 @@ def bench_sampler(args) -> dict:
     from models import create_model, make_mesh
     from rl.rollout import jax_engine as je
     from rl.rollout.base import GenerationRequest, SamplingParams
+    from rl.rollout.sampling import process_logits
 
     kind, _, bw = device_summary()
     attention = args.attention or default_attention()
@@ -114,7 +115,7 @@ def bench_sampler(args) -> dict:
     print(f"  fraction achieved: {fmt(frac)}")
     # The per-step sampling transform (temperature, top-k / top-p with a full-vocabulary sort).
     logits = jax.random.normal(jax.random.key(0), (B, cfg.vocab_size), jnp.float32)
-    proc = jax.jit(je.process_logits)
+    proc = jax.jit(process_logits)
     pargs = (logits, jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B))
     timed(proc, *pargs)
     proc_s = statistics.median(timed(proc, *pargs)[0] for _ in range(10))
