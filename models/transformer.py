@@ -457,13 +457,15 @@ class Transformer(nnx.Module):
 
     @_precise
     def prefill(
-        self, tokens, lengths, cache: KVCache, *, last_only: bool = False
+        self, tokens, lengths, cache: KVCache, *, last_only: bool = False, layers=None
     ) -> tuple[jax.Array, KVCache]:
         """Logits[B, T, V] of right-padded prompts tokens[B, T] with lengths[B] real tokens,
         and the cache with slots [0, T) written: row b's first lengths[b] hold its keys and
         values, the rest zeros.
 
         last_only: return only each row's last-token logits [B, V] (what sampling needs).
+        layers: per_layer()'s modules and fused kernels (a sampler's serving layout): the
+        layers unrolled over them instead of scanned over the stacked parameters.
         """
         B, T = tokens.shape
         if T > cache.max_len:
@@ -482,7 +484,14 @@ class Transformer(nnx.Module):
             return layer(x_BTD, rope, attend)
 
         x_BTD = self.model.embed_tokens(tokens)
-        x_BTD, (k_LBTKH, v_LBTKH) = _scan_layers(self.model.layers, body, x_BTD)
+        if layers is None:
+            x_BTD, (k_LBTKH, v_LBTKH) = _scan_layers(self.model.layers, body, x_BTD)
+        else:
+            kv = []
+            for layer, fused in layers:
+                x_BTD, kv_i = layer(x_BTD, rope, attend, fused)
+                kv.append(kv_i)
+            k_LBTKH, v_LBTKH = (jnp.stack(a) for a in zip(*kv))
         h_BTD = self.model.norm(x_BTD)
         new = KVCache(
             k=tuple(jnp.transpose(k_LBTKH, (0, 1, 3, 4, 2))),  # [B, K, H, T] per layer
@@ -494,9 +503,14 @@ class Transformer(nnx.Module):
             return self._logits(h_B1D)[:, 0], cache
         return self._logits(h_BTD), cache
 
-    def per_layer(self) -> list[tuple[DecoderLayer, tuple]]:
+    def per_layer(self, serving: bool = False) -> list[tuple[DecoderLayer, tuple]]:
         """Each decoder layer as its own module (slices of the stacked parameters) with its
-        fused projection kernels (DecoderLayer.fused)."""
+        fused projection kernels (DecoderLayer.fused).
+
+        serving: the unfused q/k/v and gate/up kernels and biases are left empty (decode and
+        prefill with the fused kernels never read them), so a sampler that keeps this layout
+        holds each weight once.
+        """
         graphdef, state = nnx.split(self.model.layers)
         n = self.model.layers.input_layernorm.weight.shape[0]
         layers = [
@@ -506,7 +520,15 @@ class Transformer(nnx.Module):
             )
             for i in range(n)
         ]
-        return [(layer, layer.fused()) for layer in layers]
+        out = [(layer, layer.fused()) for layer in layers]
+        if serving:
+            for layer, _ in out:
+                a, m = layer.self_attn, layer.mlp
+                for proj in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                    for p in (proj.kernel, proj.bias):
+                        if p is not None:
+                            p.set_value(jnp.zeros((0,), p.get_value().dtype))
+        return out
 
     @_precise
     def decode(

@@ -105,24 +105,32 @@ def test_same_bucket_does_not_retrace(model):
         [_req(f"a{i}", _prompt(i, 5 + 3 * i), max_new_tokens=16, seed=i) for i in range(3)]
     )
     assert eng.traces == 3  # one prefill, a decode per cache length (16, 32)
-    # 4 rows (still 4 slots), prompts 3..12, budgets <= 16, other sampling params and stop
+
+    # 4 rows (still 4 slots), prompts 3..12, budgets <= 16, other temperatures and stop
     # tokens (<= 4 per request): the same programs.
-    eng.generate(
-        [
+    def reqs(name, truncate):
+        return [
             _req(
-                f"b{i}",
+                f"{name}{i}",
                 _prompt(10 + i, 3 + 3 * i),
                 max_new_tokens=10 + i,
                 temperature=0.5 + 0.2 * i,
-                top_k=i,
-                top_p=1.0 - 0.1 * i,
+                top_k=i if truncate else 0,
+                top_p=1.0 - 0.1 * i if truncate else 1.0,
                 stop_token_ids=(1, 2 + i, 7, 9),
                 seed=i,
             )
             for i in range(4)
         ]
-    )
+
+    eng.generate(reqs("b", truncate=False))
     assert eng.traces == 3
+    # Top-k / top-p on: each program once more (its variant that sorts the vocabulary), then
+    # other top-k / top-p values reuse it.
+    eng.generate(reqs("c", truncate=True))
+    assert eng.traces == 6
+    eng.generate(reqs("d", truncate=True)[::-1])
+    assert eng.traces == 6
 
 
 # ---------------------------------------------------------------------------------------------

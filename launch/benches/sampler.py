@@ -57,7 +57,7 @@ def bench_sampler(args) -> dict:
     from models import create_model, make_mesh
     from rl.rollout import jax_engine as je
     from rl.rollout.base import GenerationRequest, SamplingParams
-    from rl.rollout.sampling import process_logits
+    from rl.rollout.sampling import process_logits, sample
 
     kind, _, bw = device_summary()
     attention = args.attention or default_attention()
@@ -113,13 +113,18 @@ def bench_sampler(args) -> dict:
     )
     print(f"roofline step: {fmt(floor_s and floor_s * 1e3)} ms at {fmt(bw and bw / 1e12)} TB/s;")
     print(f"  fraction achieved: {fmt(frac)}")
-    # The per-step sampling transform (temperature, top-k / top-p with a full-vocabulary sort).
+    # A decode step's sampling as the engine runs it at temperature 1 (no top-k / top-p).
     logits = jax.random.normal(jax.random.key(0), (B, cfg.vocab_size), jnp.float32)
-    proc = jax.jit(process_logits)
-    pargs = (logits, jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B))
+    keys = jax.random.key_data(jax.random.split(jax.random.key(1), B))
+
+    def draw(x, t, k, p, keys):
+        return sample(process_logits(x, t, k, p, truncate=False), keys, t)
+
+    proc = jax.jit(draw)
+    pargs = (logits, jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B), keys)
     timed(proc, *pargs)
     proc_s = statistics.median(timed(proc, *pargs)[0] for _ in range(10))
-    print(f"process_logits alone [{B}, {cfg.vocab_size}]: {proc_s * 1e3:.3f} ms per call")
+    print(f"sampling alone [{B}, {cfg.vocab_size}]: {proc_s * 1e3:.3f} ms per step")
     if args.profile:  # one generate of N tokens; kernel time per generated token (decode step)
         kernel_profile(lambda: run(N, 2000), lambda: jnp.zeros(()), steps=1, per=N, unit="token")
     mem = peak_memory_gib()

@@ -163,6 +163,16 @@ class _Rows:
         return (self.keys, self.temp, self.top_k, self.top_p, self.max_new, self.stop)
 
 
+def _truncates(row: _Row) -> bool:
+    """Whether the row samples from a truncated distribution (top-k or top-p on)."""
+    p = row.req.params
+    return p.top_k > 0 or p.top_p < 1.0
+
+
+def _is_param(x) -> bool:
+    return isinstance(x, nnx.Param)
+
+
 def _seed(req: GenerationRequest) -> int:
     return req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
 
@@ -210,7 +220,11 @@ class JaxEngine:
         self.cache_rows = KVCache(k=per_layer, v=per_layer)
         # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
         self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
-        self.params = self._own(params)
+        # The weights in their serving layout (_serve_impl): what update_weights' trees match.
+        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
+        self._serve = jax.jit(self._serve_impl, donate_argnums=(0,), out_shardings=self.replicated)
+        self.params = self._serve(self._own(params))
         self.version = version
         self.chunk = chunk
         nd = len(self.devices)
@@ -258,12 +272,20 @@ class JaxEngine:
         self.useful_steps = 0  # of those, rows that produced a token
         rows = self.rows
         state = self.state_rows
-        self._prefill = jax.jit(self._prefill_impl, out_shardings=(rows,) * 3 + (self.cache_rows,))
+        self._prefill = jax.jit(
+            self._prefill_impl, static_argnums=(4,), out_shardings=(rows,) * 3 + (self.cache_rows,)
+        )
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
         self._relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
+        # A decode step's GEMMs have one row per slot: on a GPU cuBLAS, which takes the
+        # residual adds as its output operand, beats XLA's Triton GEMMs and the split-K
+        # reductions they add (docs/benchmarks.md).
+        gpu = self.devices[0].platform == "gpu"
         self._decode = jax.jit(
             self._decode_impl,
+            static_argnums=(3,),
             donate_argnums=(1,),
+            compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu else None,
             out_shardings=(state,) + (rows,) * 3 + (self.replicated,),
         )
         self.pid = os.getpid()
@@ -282,8 +304,9 @@ class JaxEngine:
         buffers then); otherwise update_weights returns when the engine serves the version.
         """
         t0 = time.perf_counter()
-        tree = Weights.of(weights).tree(self.params)
-        params = self._own(jax.tree.map(lambda old, new: new.astype(old.dtype), self.params, tree))
+        tree = Weights.of(weights).tree(self._template)
+        params = jax.tree.map(lambda old, new: new.astype(old.dtype), self._template, tree)
+        params = self._own(params)
         handle = WeightUpdate(version)
         with self._cv:
             self._check_open()
@@ -306,7 +329,7 @@ class JaxEngine:
         except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
             handle.set_failed(e)
             return
-        self.params, self.version = params, version
+        self.params, self.version = self._serve(params), version
         t2 = time.perf_counter()
         self.sync_times.append({"copy_s": t1 - t0, "install_s": t2 - t1, "total_s": t2 - t0})
         handle.set_served()
@@ -335,17 +358,38 @@ class JaxEngine:
         }
 
     # -- compiled programs ----------------------------------------------------------------
-    def _prefill_impl(self, params, tokens_bT, lengths_b, consts_b):
-        """New rows' first tokens: (token, log-prob, done, cache [b, T]) of right-padded prompts."""
+    def _serve_impl(self, params):
+        """(head, layers): the weights as prefill and decode read them, each held once. layers
+        are per_layer(serving=True)'s (state, fused kernels) of every decoder layer: sliced
+        and fused here, once per weights version, not in every decode chunk; head is the rest
+        (embedding, final norm, LM head), the stacked layer weights left empty."""
+        model = nnx.merge(self.graphdef, params, self.rest)
+        layers = []
+        for layer, fused in model.per_layer(serving=True):
+            self._layer_def, state = nnx.split(layer)
+            layers.append((state, fused))
+        for p in jax.tree.leaves(nnx.state(model.model.layers, nnx.Param), is_leaf=_is_param):
+            p.set_value(jnp.zeros((0,), p.get_value().dtype))
+        return nnx.state(model, nnx.Param), layers
+
+    def _model(self, params):
+        """(model, per-layer modules and fused kernels) of _serve_impl's weights."""
+        head, layers = params
+        model = nnx.merge(self.graphdef, head, self.rest)
+        return model, [(nnx.merge(self._layer_def, st), fused) for st, fused in layers]
+
+    def _prefill_impl(self, params, tokens_bT, lengths_b, consts_b, truncate):
+        """New rows' first tokens: (token, log-prob, done, cache [b, T]) of right-padded prompts.
+        truncate: whether any row has top-k or top-p on (static: without, sampling never sorts)."""
         self.traces += 1
         keys, temp, top_k, top_p, max_new, stop = consts_b
-        model = nnx.merge(self.graphdef, params, self.rest)
+        model, layers = self._model(params)
         b, T = tokens_bT.shape
         last, cache = model.prefill(
-            tokens_bT, lengths_b, init_cache(self.config, b, T), last_only=True
+            tokens_bT, lengths_b, init_cache(self.config, b, T), last_only=True, layers=layers
         )
         keys0 = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
-        tok, lp = sample(process_logits(last, temp, top_k, top_p), keys0, temp)
+        tok, lp = sample(process_logits(last, temp, top_k, top_p, truncate), keys0, temp)
         done = jnp.any(tok[:, None] == stop, axis=-1) | (max_new <= 1)
         return tok, lp, done, cache
 
@@ -389,23 +433,22 @@ class JaxEngine:
         state = (cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok)
         return state + (consts,)
 
-    def _decode_impl(self, params, state, stop_after):
+    def _decode_impl(self, params, state, stop_after, truncate):
         """Up to `chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none),
         log-probs, done [C] as int8: a copy the host reads after the state was donated to the
         next chunk, steps run). With early_exit the chunk ends once no row is live or
-        stop_after rows finished in it."""
+        stop_after rows finished in it. truncate: as in _prefill_impl."""
         self.traces += 1
         cache, tok, pos, n, done, consts = state
         keys, temp, top_k, top_p, max_new, stop = consts
-        model = nnx.merge(self.graphdef, params, self.rest)
-        layers = model.per_layer()  # sliced once per chunk, not in every step
+        model, layers = self._model(params)
         C = tok.shape[0]
 
         def one(i, c):
             cache, tok, pos, n, done, toks, lps = c
             logits, cache = model.decode(tok, pos, cache, layers, self.decode_attention)
             keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
-            new, lp = sample(process_logits(logits, temp, top_k, top_p), keys_i, temp)
+            new, lp = sample(process_logits(logits, temp, top_k, top_p, truncate), keys_i, temp)
             active = ~done
             toks = toks.at[:, i].set(jnp.where(active, new, -1))
             lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
@@ -448,13 +491,13 @@ class JaxEngine:
         allocated or run (compile-time benchmarks)."""
         state = self._abstract(slots, cache_len)
         stop_after = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return self._decode.lower(self.params, state, stop_after)
+        return self._decode.lower(self.params, state, stop_after, False)
 
     def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
         """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
         _, lengths, *_, consts = self._abstract(rows, prompt_len)
         tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
-        return self._prefill.lower(self.params, tokens, lengths, consts)
+        return self._prefill.lower(self.params, tokens, lengths, consts, False)
 
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
@@ -628,7 +671,8 @@ class JaxEngine:
         tokens, lengths, idx, consts = jax.device_put(
             (tokens, lengths, idx, new.arrays()), self.rows
         )
-        tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts)
+        truncate = any(_truncates(r) for r in rows)
+        tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts, truncate)
         self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
         self._records.append(("insert", rows, tok, lp, self.version))
 
@@ -705,8 +749,9 @@ class JaxEngine:
         # With requests waiting, the chunk ends once enough rows finished to admit some (a
         # freed slot idles no longer than that); otherwise it runs until no row is live.
         stop_after = max(1, min(waiting, C // EARLY_EXIT_FRACTION)) if waiting else C + 1
+        truncate = any(r is not None and _truncates(r) for r in self._slots)
         self._state, toks, lps, done, steps = self._decode(
-            self.params, self._state, np.int32(stop_after)
+            self.params, self._state, np.int32(stop_after), truncate
         )
         self._records.append(("chunk", list(self._slots), toks, lps, done, steps, self.version))
 

@@ -9,11 +9,22 @@ import numpy as np
 
 
 def process_logits(
-    logits_BV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array
+    logits_BV: jax.Array,
+    temperature_B: jax.Array,
+    top_k_B: jax.Array,
+    top_p_B: jax.Array,
+    truncate: bool | None = None,
 ) -> jax.Array:
-    """Temperature, then top-k and top-p truncation (masked to -inf). Greedy rows use T=1."""
+    """Temperature, then top-k and top-p truncation (masked to -inf). Greedy rows use T=1.
+
+    truncate: whether any row truncates, if the caller knows (static): without truncation the
+    scaled logits stay a fusion the sampler's reductions read; None decides on the device
+    (a conditional, whose result is then written out whole).
+    """
     t = jnp.where(temperature_B > 0, temperature_B, 1.0)
     x = logits_BV.astype(jnp.float32) / t[:, None]
+    if truncate is not None:
+        return _truncate(x, top_k_B, top_p_B) if truncate else x
     # The vocabulary sort only runs when some row truncates (top-k or top-p on).
     truncate = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
     return jax.lax.cond(truncate, _truncate, lambda x, *_: x, x, top_k_B, top_p_B)
@@ -45,16 +56,20 @@ def sample(x_BV, keys_B2, temperature_B):
     the CPU more than the tiny model's step), the first token whose cumulative probability
     exceeds it; tokens of zero probability are never drawn. Large vocabularies find the draw in
     two levels (the block, then the token within it), so no pass scans the whole row: a
-    full-row cumulative sum is a multi-pass scan on accelerators.
+    full-row cumulative sum is a multi-pass scan on accelerators. The whole row is read twice:
+    each block's argmax (which gives the row max and the greedy token), then each block's mass.
     """
     B, V = x_BV.shape
-    m = jnp.max(x_BV, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(x_BV - m)  # unnormalized probabilities; masked entries are exactly 0
     blk = SAMPLE_BLOCK if V > 4 * SAMPLE_BLOCK else V
     nb = -(-V // blk)
-    p3 = jnp.pad(p, ((0, 0), (0, nb * blk - V))).reshape(B, nb, blk)
-    bsum = jnp.sum(p3, axis=-1)  # [B, nb]
+    x3 = jnp.pad(x_BV, ((0, 0), (0, nb * blk - V)), constant_values=-jnp.inf).reshape(B, nb, blk)
+    barg = jnp.argmax(x3, axis=-1)  # [B, nb]: each block's first maximum
+    bmax = jnp.take_along_axis(x3, barg[:, :, None], axis=-1)[:, :, 0]
+    top = jnp.argmax(bmax, axis=-1)  # the block of the row's first maximum
+    greedy = top * blk + jnp.take_along_axis(barg, top[:, None], axis=1)[:, 0]
+    m = jnp.take_along_axis(bmax, top[:, None], axis=1)  # [B, 1]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    bsum = jnp.sum(jnp.exp(x3 - m[:, :, None]), axis=-1)  # [B, nb]; masked entries add 0
     bcdf = jnp.cumsum(bsum, axis=-1)
     total = bcdf[:, -1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
@@ -69,12 +84,11 @@ def sample(x_BV, keys_B2, temperature_B):
         return jnp.minimum(i, last)
 
     j = first_above(bcdf, bsum, target)
-    within = jnp.take_along_axis(p3, j[:, None, None], axis=1)[:, 0]  # [B, blk]
+    within = jnp.exp(jnp.take_along_axis(x3, j[:, None, None], axis=1)[:, 0] - m)  # [B, blk]
     prev = jnp.pad(bcdf, ((0, 0), (1, 0)))  # the mass before each block
     before = jnp.take_along_axis(prev, j[:, None], axis=1)[:, 0]
     i = first_above(before[:, None] + jnp.cumsum(within, axis=-1), within, target)
     sampled = j * blk + i
-    greedy = jnp.argmax(x_BV, axis=-1)
     tok = jnp.where(temperature_B > 0, sampled, greedy).astype(jnp.int32)
     x_tok = jnp.take_along_axis(x_BV, tok[:, None], axis=-1)[:, 0]
     return tok, x_tok - m[:, 0] - jnp.log(total)
