@@ -22,6 +22,9 @@ from jax.experimental.pallas import triton as plgpu
 BLOCK_S = (64, 32, 16)  # cache positions per inner step: the largest that divides the cache
 HEADS_PAD = 16  # query heads of a kv head, padded to Triton's smallest dot tile
 WARPS, STAGES = 2, 3  # Triton launch parameters
+# Programs per (row, kv head), each over its share of the row's valid blocks (split-KV), their
+# partial softmaxes combined after the kernel: more programs in flight for short rows.
+SPLITS = 1
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -55,15 +58,19 @@ def _kernel(
     o_ref,
     k_out,
     v_out,
-    *,
+    *stats,
     block,
     G,
     q0,
     k0,
     v0,
+    splits,
 ):
-    """Program (b, h): query rows q0 + h G .. of q_ref, key row k0 + h, value row v0 + h."""
+    """Program (b, h[, p]): query rows q0 + h G .. of q_ref, key row k0 + h, value row v0 + h;
+    with splits > 1, part p of the row's valid blocks, its unnormalized output and softmax
+    statistics written to o_ref [B, K, splits, HEADS_PAD, H] and stats (max, sum)."""
     b, h = pl.program_id(0), pl.program_id(1)
+    part = pl.program_id(2) if splits > 1 else 0
     H = q_ref.shape[-1]
     # With rotary here the head dim is taken in halves (rotate-half pairs d with d + H/2).
     parts = (pl.ds(0, H),) if cos_ref is None else (pl.ds(0, H // 2), pl.ds(H // 2, H // 2))
@@ -88,6 +95,16 @@ def _kernel(
     m = m * scale  # [HEADS_PAD]
     total = jnp.ones_like(m)  # the softmax denominator so far
     o = jnp.broadcast_to(vn.astype(f32)[None, :], (HEADS_PAD, H))
+    n_blocks = pl.cdiv(pos, block)
+    lo, hi = 0, n_blocks
+    if splits > 1:  # the current token belongs to part 0; the others start empty
+        per = pl.cdiv(n_blocks, splits)
+        lo = part * per
+        hi = jnp.minimum(n_blocks, lo + per)
+        first = part == 0
+        m = jnp.where(first, m, _NEG)
+        total = jnp.where(first, total, 0.0)
+        o = jnp.where(first, o, 0.0)
 
     def body(j, carry):
         o, m, total = carry
@@ -104,37 +121,64 @@ def _kernel(
         o = c[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=exact)
         return o, m_new, c * total + jnp.sum(p, axis=1)
 
-    o, m, total = jax.lax.fori_loop(0, pl.cdiv(pos, block), body, (o, m, total))
-    out_rows = pl.ds(h * G, HEADS_PAD)
-    plgpu.store(o_ref.at[b, out_rows, :], (o / total[:, None]).astype(o_ref.dtype), mask=in_group)
-    for x, d in zip(kn, parts):
-        k_out[b, h, d, pl.ds(pos, 1)] = x.astype(k_out.dtype)[:, None]
-    v_out[b, h, pl.ds(pos, 1), :] = vn.astype(v_out.dtype)[None, :]
+    o, m, total = jax.lax.fori_loop(lo, hi, body, (o, m, total))
+    if splits > 1:
+        o_ref[b, h, part] = o
+        m_ref, l_ref = stats
+        m_ref[b, h, part] = m
+        l_ref[b, h, part] = total
+    else:
+        out_rows = pl.ds(h * G, HEADS_PAD)
+        o = (o / total[:, None]).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[b, out_rows, :], o, mask=in_group)
+
+    @pl.when(part == 0)
+    def _():
+        for x, d in zip(kn, parts):
+            k_out[b, h, d, pl.ds(pos, 1)] = x.astype(k_out.dtype)[:, None]
+        v_out[b, h, pl.ds(pos, 1), :] = vn.astype(v_out.dtype)[None, :]
 
 
 def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, interpret):
     B, H = q.shape[0], q.shape[-1]
     K, S = k_cache.shape[1], k_cache.shape[3]
     q0, k0, v0 = offsets
-    kernel = functools.partial(_kernel, block=_block(S), G=N // K, q0=q0, k0=k0, v0=v0)
+    P = max(1, min(SPLITS, S // _block(S)))
+    G = N // K
+    kernel = functools.partial(_kernel, block=_block(S), G=G, q0=q0, k0=k0, v0=v0, splits=P)
     whole = pl.no_block_spec
     cos, sin = rope if rope is not None else (None, None)
     n_in = 4 if rope is None else 6  # operands before the caches (None is no operand)
-    o, k_cache, v_cache = pl.pallas_call(
+    f32 = jnp.float32
+    if P == 1:
+        o_shape = [jax.ShapeDtypeStruct((B, N, H), q.dtype)]
+    else:  # unnormalized partial outputs and their softmax max and sum
+        o_shape = [
+            jax.ShapeDtypeStruct((B, K, P, HEADS_PAD, H), f32),
+            jax.ShapeDtypeStruct((B, K, P, HEADS_PAD), f32),
+            jax.ShapeDtypeStruct((B, K, P, HEADS_PAD), f32),
+        ]
+    cache_shape = [
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    ]
+    out = pl.pallas_call(
         kernel,
-        grid=(B, K),
+        grid=(B, K) if P == 1 else (B, K, P),
         in_specs=[whole] * 4 + [whole if rope is not None else None] * 2 + [whole] * 2,
-        out_specs=[whole] * 3,
-        out_shape=[
-            jax.ShapeDtypeStruct((B, N, H), q.dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        ],
+        out_specs=[whole] * (len(o_shape) + 2),
+        out_shape=o_shape[:1] + cache_shape + o_shape[1:],
         input_output_aliases={n_in: 1, n_in + 1: 2},  # the caches, updated in place
         compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
         interpret=interpret,
         name="tandem_decode_attention",
     )(positions_B.astype(jnp.int32), q, kn, vn, cos, sin, k_cache, v_cache)
+    o, k_cache, v_cache = out[:3]
+    if P > 1:  # the parts' softmaxes combined: [B, K, HEADS_PAD, H] -> the group's rows
+        m_part, l_part = out[3:]
+        w = jnp.exp(m_part - jnp.max(m_part, axis=2, keepdims=True))
+        o = jnp.sum(w[..., None] * o, axis=2) / jnp.sum(w * l_part, axis=2)[..., None]
+        o = o[:, :, :G].reshape(B, N, H).astype(q.dtype)
     return o, k_cache, v_cache
 
 

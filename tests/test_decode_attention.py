@@ -1,5 +1,6 @@
 """The Pallas decode-attention kernel (interpreted on a CPU) against the XLA path: outputs in
-float32 within 1e-6, the current token's key and value written to its slot and nothing else."""
+float32 within 1e-6, the current token's key and value written to its slot and nothing else;
+with the valid blocks split over several programs (SPLITS) as well."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from models import create_model, tiny
+from models import decode_attention as da
 from models.decode_attention import decode_attention, decode_attention_qkv, supported
 from models.transformer import _apply_rotary, _decode_attention, _write_slot, rotary
 from rl.rollout.jax_engine import JaxEngine
@@ -32,7 +34,9 @@ def _xla(q, kn, vn, kc, vc, pos):
         (4, 16, 32, [3, 31]),  # a full group of 16 query heads
     ],
 )
-def test_kernel_matches_the_xla_path_in_float32(K, G, S, positions):
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_kernel_matches_the_xla_path_in_float32(K, G, S, positions, splits, monkeypatch):
+    monkeypatch.setattr(da, "SPLITS", splits)  # 3 parts of 2 blocks: one part may be empty
     pos = jnp.asarray(positions, jnp.int32)
     q, kn, vn, kc, vc = _case(len(positions), K, G, 64, S, jnp.float32)
     want_o, want_k, want_v = _xla(q, kn, vn, kc, vc, pos)
@@ -66,10 +70,12 @@ def test_supported_shapes():
     assert not supported(jnp.int32, 14, 2, 64, 384)
 
 
-def test_kernel_with_rotary_matches_rotary_then_the_xla_path():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, monkeypatch):
     """decode_attention_qkv takes the fused projection's raw [B, N + 2K, H] output and applies
     rotary itself: against _apply_rotary then the XLA path (float32; the kernel's two half-dim
     dots sum in another order than one dot, hence 1e-5 rather than 1e-6)."""
+    monkeypatch.setattr(da, "SPLITS", splits)
     B, K, G, H, S = 6, 2, 7, 64, 128
     N = K * G
     rng = np.random.default_rng(2)

@@ -290,6 +290,12 @@ def _parser() -> argparse.ArgumentParser:
         help="roofline: the decode step's attention (auto: the Pallas kernel on one GPU)",
     )
     p.add_argument(
+        "--decode-splits",
+        type=int,
+        default=0,
+        help="programs per row and kv head in the Pallas decode attention (0: its default)",
+    )
+    p.add_argument(
         "--profile", action="store_true", help="roofline: GPU kernel time per decode step by kind"
     )
     return p
@@ -300,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if reject_nonpositive(args, ("batch", "prompt_len", "repeats", "min_tokens")):
         return 2
+    if args.decode_splits < 0:
+        print(f"--decode-splits={args.decode_splits}: must be >= 0", file=sys.stderr)
+        return 2
+    if args.decode_splits:
+        from models import decode_attention
+
+        decode_attention.SPLITS = args.decode_splits
     if args.workload == "roofline" and args.vllm:
         print("--vllm needs --workload uniform or longtail", file=sys.stderr)
         return 2
