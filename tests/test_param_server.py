@@ -212,7 +212,7 @@ def test_retention_keeps_newest_and_served_and_a_failing_engine_is_reported(tmp_
 
     # The JAX engine moved: it serves v5 and holds the learner's weights.
     assert jax_engine.version == 5
-    served = jax.tree.map(np.asarray, nnx.to_pure_dict(jax_engine.params))
+    served = jax.tree.map(np.asarray, nnx.to_pure_dict(jax_engine.served_params()))
     want = jax.tree.map(np.asarray, nnx.to_pure_dict(learner.params()))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), served, want)
 

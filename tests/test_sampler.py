@@ -97,6 +97,24 @@ def test_behavior_logprobs_equal_learner_logprobs(model, engine, tok, temperatur
 # (b) one compilation per shape bucket
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_served_weights_are_the_weights_given(model_type):
+    """The engine keeps its weights in a decode layout (per-layer slices, fused q/k/v and
+    gate/up kernels, the stacked copy emptied); served_params() gives back exactly what it
+    was given, after construction and after update_weights."""
+    cfg = tiny(model_type=model_type)
+    pure = lambda p: jax.tree.map(np.asarray, nnx.to_pure_dict(p))
+    first = randomize(create_model(cfg, seed=1), seed=1)
+    eng = JaxEngine(first)
+    want = pure(nnx.state(first, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, pure(eng.served_params()), want)
+    second = randomize(create_model(cfg, seed=2), seed=2)
+    eng.update_weights(1, nnx.state(second, nnx.Param))
+    got = pure(eng.served_params())
+    jax.tree.map(np.testing.assert_array_equal, got, pure(nnx.state(second, nnx.Param)))
+    eng.close()
+
+
 def test_same_bucket_does_not_retrace(model):
     # As in a training run: the engine copies the weights of a model on the learner's mesh.
     eng = JaxEngine(shard_model(model, make_mesh(devices=jax.devices()[:1])), chunk=4)

@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from models.params import fill_params
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout.base import (
@@ -169,6 +170,13 @@ def _truncates(row: _Row) -> bool:
     return p.top_k > 0 or p.top_p < 1.0
 
 
+_LAYERS = "['model']['layers']"  # the stacked layers' path prefix in the params tree
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree.flatten_with_path(tree)[0]}
+
+
 def _is_param(x) -> bool:
     return isinstance(x, nnx.Param)
 
@@ -223,7 +231,7 @@ class JaxEngine:
         # The weights in their serving layout (_serve_impl): what update_weights' trees match.
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
-        self._serve = jax.jit(self._serve_impl, donate_argnums=(0,), out_shardings=self.replicated)
+        self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
         self.params = self._serve(self._own(params))
         self.version = version
         self.chunk = chunk
@@ -371,6 +379,33 @@ class JaxEngine:
         for p in jax.tree.leaves(nnx.state(model.model.layers, nnx.Param), is_leaf=_is_param):
             p.set_value(jnp.zeros((0,), p.get_value().dtype))
         return nnx.state(model, nnx.Param), layers
+
+    def served_params(self):
+        """The served weights as the model's params tree (the layers stacked back, the fused
+        kernels split): what update_weights took, for callers that compare weights."""
+        head, layers = self.params
+        c = self.config
+        nq, nk = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        per = []
+        for st, ((w, b), gate_up) in layers:
+            layer = nnx.merge(self._layer_def, st)
+            a, m = layer.self_attn, layer.mlp
+            for proj, cols in (
+                (a.q_proj, (0, nq)),
+                (a.k_proj, (nq, nq + nk)),
+                (a.v_proj, (nq + nk, None)),
+            ):
+                proj.kernel.set_value(w[:, cols[0] : cols[1]])
+                if b is not None:
+                    proj.bias.set_value(b[cols[0] : cols[1]])
+            gate, up = jnp.split(gate_up, 2, axis=1)
+            m.gate_proj.kernel.set_value(gate)
+            m.up_proj.kernel.set_value(up)
+            per.append(_flat(nnx.state(layer, nnx.Param)))
+        flat = {k: v for k, v in _flat(head).items() if not k.startswith(_LAYERS)}
+        for k in per[0]:
+            flat[_LAYERS + k] = np.stack([np.asarray(f[k]) for f in per])
+        return fill_params(self._template, {k: np.asarray(v) for k, v in flat.items()})
 
     def _model(self, params):
         """(model, per-layer modules and fused kernels) of _serve_impl's weights."""
