@@ -228,7 +228,8 @@ class JaxEngine:
         self.cache_rows = KVCache(k=per_layer, v=per_layer)
         # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
         self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
-        # The weights in their serving layout (_serve_impl): what update_weights' trees match.
+        # The params tree's shapes (what update_weights' trees match); self.params holds the
+        # weights in their serving layout (_serve_impl).
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
         self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
