@@ -286,9 +286,8 @@ class JaxEngine:
         )
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
         self._relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
-        # A decode step's GEMMs have one row per slot: on a GPU cuBLAS, which takes the
-        # residual adds as its output operand, beats XLA's Triton GEMMs and the split-K
-        # reductions they add (docs/benchmarks.md).
+        # A decode step's GEMMs have one row per slot: on a GPU cuBLAS beats XLA's Triton
+        # GEMMs, which split K there and add a reduction kernel each (docs/benchmarks.md).
         gpu = self.devices[0].platform == "gpu"
         self._decode = jax.jit(
             self._decode_impl,
