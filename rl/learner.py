@@ -241,6 +241,7 @@ class Learner:
 
         self.state = jax.tree.map(place, state)
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
+        self.traces = 0  # update and log-prob programs traced (compilations), for benches
         self._train = self._compile_train(step_cfg)
         self._logp = None
 
@@ -293,6 +294,7 @@ class Learner:
             return loss, metrics
 
         def step(state, batch):
+            self.traces += 1
             model, optimizer = nnx.merge(graphdef, state)
             m = batch["loss_mask"]
             num_tokens = m.sum()
@@ -351,6 +353,7 @@ class Learner:
         cfg = self.step_cfg
 
         def logp(state, b):
+            self.traces += 1
             model, _ = nnx.merge(graphdef, state)
             return policy_logprobs(model, b, cfg)[0]
 

@@ -178,6 +178,21 @@ def test_packed_batch_equals_unpacked(model_state):
     assert _max_diff(out["packed"][0], out["unpacked"][0]) < 1e-5
 
 
+def test_traces_count_compilations_of_new_shapes(model_state):
+    """Learner.traces (read by the async bench) counts one per new batch shape, none on reuse."""
+    eps = _episodes(seed=3)
+    adv = _advantages(len(eps), seed=4)
+    learner = Learner(_model(model_state), optax.sgd(0.0), mesh=_mesh1())
+    assert learner.traces == 0
+    learner.update(make_batch(eps, adv, row_len=64))
+    first = learner.traces
+    assert first >= 1
+    learner.update(make_batch(eps, adv, row_len=64))
+    assert learner.traces == first
+    learner.update(make_batch(eps, adv, row_len=128))
+    assert learner.traces > first
+
+
 def test_packed_logprobs_match_per_episode_forward(model_state):
     eps = _episodes(seed=5)
     logps = _numpy_token_logp(_model(model_state), eps)

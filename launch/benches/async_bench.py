@@ -38,6 +38,7 @@ class RunTiming:
     weight_transfer_s: float  # mean weight update of the run, end to end (stats() sync_s)
     learner_cpu_s: float  # CPU time of the learner's process in the window, all threads
     new_shapes: int  # generation programs the rollout process traced (compiled) in the window
+    learner_shapes: int  # learner programs traced in the window (-1: a remote learner)
     rollout_cpu_s: float  # CPU time of the rollout process in the window
     saturated_s: float  # the window's samples on the sampler alone, every request at once (sync)
 
@@ -182,6 +183,7 @@ def run_once(
             now=now,
             learner_cpu=_cpu_seconds(learner_pid),
             rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
+            learner_traces=-1 if trainer.remote else getattr(trainer.learner, "traces", -1),
         )
         rows[version] = dict(row)
 
@@ -210,6 +212,9 @@ def run_once(
         weight_transfer_s=final["sync_s"] / final["updates"] if final["updates"] else 0.0,
         learner_cpu_s=last["learner_cpu"] - first["learner_cpu"],
         new_shapes=last.get("traces", 0) - first.get("traces", 0),
+        learner_shapes=(
+            -1 if first["learner_traces"] < 0 else last["learner_traces"] - first["learner_traces"]
+        ),
         rollout_cpu_s=last["rollout_cpu"] - first["rollout_cpu"],
         saturated_s=saturated[0] if saturated else float("nan"),
     )
@@ -257,7 +262,8 @@ def _print_run(t: RunTiming, load: str) -> None:
         f"{_share(t.rollout_cpu_s, t.gen_busy_s)} | learner: train {t.train_s:6.2f}s + "
         f"sync {t.sync_s:4.2f}s ({busy_l / t.wall_s:4.0%}), wait {t.wait_s:6.2f}s, cpu/busy "
         f"{_share(t.learner_cpu_s, busy_l)} | staleness max {t.staleness_max:.0f}, "
-        f"partial {t.partial_ratio:.2f}, new shapes {t.new_shapes}, transfer "
+        f"partial {t.partial_ratio:.2f}, new shapes {t.new_shapes} (learner "
+        f"{t.learner_shapes if t.learner_shapes >= 0 else 'n/a'}), transfer "
         f"{t.weight_transfer_s * 1e3:.0f}ms | "
         f"load [{load}]",
         flush=True,
