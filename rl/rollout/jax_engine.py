@@ -54,7 +54,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.params import fill_params
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout.base import (
@@ -65,6 +64,7 @@ from rl.rollout.base import (
     Weights,
     WeightUpdate,
 )
+from rl.rollout.layout import params_of_layout, serving_layout
 from rl.rollout.sampling import key_data, process_logits, sample
 
 
@@ -168,17 +168,6 @@ def _truncates(row: _Row) -> bool:
     """Whether the row samples from a truncated distribution (top-k or top-p on)."""
     p = row.req.params
     return p.top_k > 0 or p.top_p < 1.0
-
-
-_LAYERS = "['model']['layers']"  # the stacked layers' path prefix in the params tree
-
-
-def _flat(tree) -> dict:
-    return {jax.tree_util.keystr(p): x for p, x in jax.tree.flatten_with_path(tree)[0]}
-
-
-def _is_param(x) -> bool:
-    return isinstance(x, nnx.Param)
 
 
 def _seed(req: GenerationRequest) -> int:
@@ -367,45 +356,16 @@ class JaxEngine:
 
     # -- compiled programs ----------------------------------------------------------------
     def _serve_impl(self, params):
-        """(head, layers): the weights as prefill and decode read them, each held once. layers
-        are per_layer(serving=True)'s (state, fused kernels) of every decoder layer: sliced
-        and fused here, once per weights version, not in every decode chunk; head is the rest
-        (embedding, final norm, LM head), the stacked layer weights left empty."""
+        """(head, layers): layout.serving_layout of the weights, once per version; records the
+        layers' graphdef (static)."""
         model = nnx.merge(self.graphdef, params, self.rest)
-        layers = []
-        for layer, fused in model.per_layer(serving=True):
-            self._layer_def, state = nnx.split(layer)
-            layers.append((state, fused))
-        for p in jax.tree.leaves(nnx.state(model.model.layers, nnx.Param), is_leaf=_is_param):
-            p.set_value(jnp.zeros((0,), p.get_value().dtype))
-        return nnx.state(model, nnx.Param), layers
+        head, layers, self._layer_def = serving_layout(model)
+        return head, layers
 
     def served_params(self):
         """The served weights as the model's params tree (the layers stacked back, the fused
         kernels split): what update_weights took, for callers that compare weights."""
-        head, layers = self.params
-        c = self.config
-        nq, nk = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        per = []
-        for st, ((w, b), gate_up) in layers:
-            layer = nnx.merge(self._layer_def, st)
-            a, m = layer.self_attn, layer.mlp
-            for proj, cols in (
-                (a.q_proj, (0, nq)),
-                (a.k_proj, (nq, nq + nk)),
-                (a.v_proj, (nq + nk, None)),
-            ):
-                proj.kernel.set_value(w[:, cols[0] : cols[1]])
-                if b is not None:
-                    proj.bias.set_value(b[cols[0] : cols[1]])
-            gate, up = jnp.split(gate_up, 2, axis=1)
-            m.gate_proj.kernel.set_value(gate)
-            m.up_proj.kernel.set_value(up)
-            per.append(_flat(nnx.state(layer, nnx.Param)))
-        flat = {k: v for k, v in _flat(head).items() if not k.startswith(_LAYERS)}
-        for k in per[0]:
-            flat[_LAYERS + k] = np.stack([np.asarray(f[k]) for f in per])
-        return fill_params(self._template, {k: np.asarray(v) for k, v in flat.items()})
+        return params_of_layout(self.params, self._layer_def, self.config, self._template)
 
     def _model(self, params):
         """(model, per-layer modules and fused kernels) of _serve_impl's weights."""
