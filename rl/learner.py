@@ -422,6 +422,20 @@ class Learner:
         metrics["timing/train_step"] = time.perf_counter() - t0
         return metrics
 
+    def warm(self, batch: TrainBatch, *, minibatches: int = 1) -> None:
+        """Compiles the programs an update of `batch`'s shapes runs, leaving the state as it was:
+        the step runs once on a copy of the state and its result is dropped (benchmarks warm
+        every packed row count before a timed window)."""
+        arrays = batch.arrays()
+        if self.step_cfg.needs_proximal and minibatches > 1:
+            self.logprobs(batch)
+        per = arrays["inputs"].shape[0] // minibatches
+        mb = {k: np.asarray(v)[:per] for k, v in arrays.items()}
+        copy = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, self.state)
+        with jax.set_mesh(self.mesh):
+            out = self._train(copy, self._device_batch(mb))
+        jax.block_until_ready(out)
+
     def lower_update(self, batch: TrainBatch | dict) -> jax.stages.Lowered:
         """The update step lowered for `batch`'s shapes, not run (compile-time benchmarks)."""
         with jax.set_mesh(self.mesh):

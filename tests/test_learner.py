@@ -193,6 +193,26 @@ def test_traces_count_compilations_of_new_shapes(model_state):
     assert learner.traces > first
 
 
+def test_warm_compiles_the_update_and_leaves_the_state(model_state):
+    """Learner.warm (the async bench warms packed shapes with it) compiles what an update of the
+    batch runs, on a copy of the state: params, optimizer and version stay as they were, and the
+    update that follows traces nothing new and moves the params as one without warm does."""
+    eps = _episodes(seed=3)
+    adv = _advantages(len(eps), seed=4)
+    batch = make_batch(eps, adv, row_len=64, pack=True)
+    learner = Learner(_model(model_state), optax.adam(1e-2), mesh=_mesh1())
+    before = jax.tree.map(np.asarray, learner.state)
+    learner.warm(batch)
+    assert learner.traces >= 1 and learner.version == 0
+    assert _max_diff(before, jax.tree.map(np.asarray, learner.state)) == 0.0
+    traces = learner.traces
+    learner.update(batch)
+    assert learner.traces == traces
+    cold = Learner(_model(model_state), optax.adam(1e-2), mesh=_mesh1())
+    cold.update(batch)
+    assert _max_diff(_params_np(cold), _params_np(learner)) == 0.0
+
+
 def test_packed_logprobs_match_per_episode_forward(model_state):
     eps = _episodes(seed=5)
     logps = _numpy_token_logp(_model(model_state), eps)

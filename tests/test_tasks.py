@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rl.tasks import TASKS, get_task
-from rl.tasks.base import Problem, RewardResult, in_split
+from rl.tasks.base import Problem, RewardResult, extract_answer, in_split
 from rl.tasks.expr import (
     ExprError,
     ExprLimitError,
@@ -344,6 +344,38 @@ def test_arithmetic_digit_credit():
     assert get_task("arithmetic").reward(p, "<answer>108</answer>").reward == 0.1
     with pytest.raises(ValueError, match=r"digit_credit must be a number in \[0, 1\), got 1"):
         get_task("arithmetic", digit_credit=1)
+
+
+def test_arithmetic_sloppy_demonstrator():
+    """demo_error: that fraction of problem ids gets a demonstration whose first written digit
+    is one too high (mod 10), the rest of it right; the others stay correct; the same problems
+    on every call; prompts, answers and rewards untouched."""
+    clean = get_task("arithmetic", reverse_digits=True, ops=("+", "-"))
+    task = get_task("arithmetic", reverse_digits=True, ops=("+", "-"), demo_error=0.7)
+    problems = task.problems("train", 4000)
+    assert problems == clean.problems("train", 4000)
+    wrong = 0
+    for p in problems:
+        demo, right = task.demonstration(p), clean.demonstration(p)
+        assert demo == task.demonstration(p)
+        assert task.reward(p, right).correct
+        if demo != right:
+            wrong += 1
+            d, r = extract_answer(demo), extract_answer(right)
+            i = 1 if r[0] == "-" else 0
+            assert d[:i] == r[:i] and d[i + 1 :] == r[i + 1 :]
+            assert int(d[i]) == (int(r[i]) + 1) % 10
+            assert not task.reward(p, demo).correct and task.reward(p, demo).formatted
+    assert abs(wrong / len(problems) - 0.7) < 0.03
+    assert all(
+        clean.demonstration(p)
+        == get_task(
+            "arithmetic", reverse_digits=True, ops=("+", "-"), demo_error=0.0
+        ).demonstration(p)
+        for p in problems[:50]
+    )
+    with pytest.raises(ValueError, match=r"demo_error must be a number in \[0, 1\], got 1.5"):
+        get_task("arithmetic", demo_error=1.5)
 
 
 @pytest.mark.parametrize("use_all", [False, True])

@@ -127,6 +127,39 @@ def _warm_engine(engine, trainer, args) -> None:
         prev = b
 
 
+def _warm_learner(trainer, args) -> None:
+    """Compiles the packed learner's update for the batch shapes a window can produce: batches
+    of the window's size drawn from the task's lengths, each distinct shape once."""
+    import numpy as np
+
+    from models.attention import segment_lengths
+    from rl import build
+    from rl.learner import train_batch
+    from rl.types import Episode
+
+    cfg, learner = trainer.cfg, trainer.learner
+    unit, row_len = build.pack_unit(cfg), cfg.learner.pack_length
+    seen: set = set()
+    for b in range(200):
+        eps = []
+        for g in range(args.prompts):
+            p = trainer.train_problem(20_000 + b * args.prompts + g)
+            prompt = len(trainer.tokenizer.encode(p.prompt))
+            n = min(prompt + min(p.meta["max_new_tokens"], args.max_tokens), row_len + 1)
+            one = np.ones(n, np.int32), np.ones(n, np.int8), np.zeros(n, np.float32)
+            eps += [Episode(f"warm-{g}", *one, np.zeros(n, np.int32), 1, 0.0)] * args.group
+        batch = train_batch(
+            eps, np.zeros(len(eps)), row_len=row_len, pack=True, unit=unit, rows=len(eps)
+        )
+        shape = batch.arrays()["inputs"].shape
+        if getattr(learner, "_native_segments", False):  # cuDNN: the segment count is a shape
+            shape += segment_lengths(batch.arrays()["segment_ids"]).shape
+        if shape not in seen:
+            seen.add(shape)
+            learner.warm(batch, minibatches=cfg.learner.minibatches)
+    print(f"learner warmed for {len(seen)} packed batch shape(s): {sorted(seen)}", flush=True)
+
+
 def _saturated_s(engine, trainer, args) -> float:
     """Seconds the engine needs for the window's samples (K updates of the task's budgets) at its
     saturated rate: every request submitted at once, so freed slots always refill."""
@@ -170,6 +203,8 @@ def run_once(
     def on_engine(engine) -> None:  # before the first evaluation: compile every length bucket
         engines.append(engine)
         _warm_engine(engine, trainer, args)
+        if args.pack and not trainer.remote:
+            _warm_learner(trainer, args)
         if mode == "sync":  # the sampler alone, saturated: the ideal bound's generation time
             saturated.append(_saturated_s(engine, trainer, args))
 
@@ -392,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     Prints per-run figures (with the load average at each run's start), then `RESULT sync_s=...
     async_s=... speedup=... ideal=... frac_of_ideal=... G_s=... T_s=...` (the first --transport and
     --partial; the other partials add suffixed keys, a second transport adds `_ray` keys and the
-    overheads).
+    overheads), and `window_compiles`: programs traced inside the timed windows of all runs
+    (nonzero means a window's time includes compilation).
     """
     args = _parser().parse_args(argv)
     partials = ["drain", "continue"] if args.partial == "both" else args.partial.split(",")
@@ -449,11 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     run_root = args.run_root or tempfile.mkdtemp(prefix="bench-async-")
     _share_compile_cache(os.path.join(run_root, "jit_cache"))
     rows: dict[tuple[str, str], list[dict]] = {(t, p): [] for t in transports for p in partials}
+    compiles = 0  # programs traced inside timed windows, sampler and local learner, all runs
     for r in range(args.repeats):  # rounds alternate the modes, so load drift hits both
         for transport in transports:
             load = _loadavg()
             sync = run_once(args, "sync", "drain", run_root, r, transport)
             _print_run(sync, load)
+            compiles += sync.new_shapes + max(sync.learner_shapes, 0)
             G, T, Gc = sync.gen_busy_s, sync.train_s + sync.transfer_s, sync.saturated_s
             ideal = (G + T) / max(Gc, T)
             print(
@@ -466,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 load = _loadavg()
                 a = run_once(args, "async", partial, run_root, r, transport)
                 _print_run(a, load)
+                compiles += a.new_shapes + max(a.learner_shapes, 0)
                 speedup = sync.wall_s / a.wall_s
                 print(
                     f"round {r} ({transport}): async ({partial}) {a.wall_s:.2f}s vs sync "
@@ -516,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{a['async_s']:.2f}s ({result['overhead_async'] - 1:+.1%})",
             flush=True,
         )
+    result["window_compiles"] = compiles
     result["load1"] = float(_loadavg().split()[0])
     print_result(result, digits=4)
     return 0

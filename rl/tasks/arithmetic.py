@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 from typing import ClassVar
 
@@ -45,6 +46,10 @@ class ArithmeticTask:
     # Partial credit for a wrong, well-formed answer: this much times the fraction of the answer's
     # digits written right (position by position, in the written order), on top of format_reward.
     digit_credit: float = 0.0
+    # A sloppy demonstrator: this fraction of the demonstrations (fixed per problem id) write
+    # the first answer digit one too high (9 -> 0). Above one half, a model that imitates it
+    # answers wrong greedily while sampling the right answer often: what RL can correct.
+    demo_error: float = 0.0
 
     name: ClassVar[str] = "arithmetic"
     max_turns: ClassVar[int] = 1
@@ -58,6 +63,10 @@ class ArithmeticTask:
         if not (isinstance(self.digit_credit, (int, float)) and 0 <= self.digit_credit < 1):
             raise ValueError(
                 f"arithmetic: digit_credit must be a number in [0, 1), got {self.digit_credit!r}"
+            )
+        if not (isinstance(self.demo_error, (int, float)) and 0 <= self.demo_error <= 1):
+            raise ValueError(
+                f"arithmetic: demo_error must be a number in [0, 1], got {self.demo_error!r}"
             )
         bad = [op for op in self.ops if op not in OPS]
         if not self.ops or bad:
@@ -99,12 +108,22 @@ class ArithmeticTask:
         return _reverse_digits(answer) if self.reverse_digits else answer
 
     def demonstration(self, problem: Problem) -> str:
-        """The correct completion (eos not included)."""
-        return f"{ANSWER_OPEN}{self.demonstration_answer(problem.answer)}{ANSWER_CLOSE}"
+        """The completion the demonstrator writes (eos not included): the correct one, or with
+        demo_error its first digit one too high for that fraction of problem ids."""
+        answer = self.demonstration_answer(problem.answer)
+        if self.demo_error and _unit_hash(f"{self.seed}:{problem.id}") < self.demo_error:
+            i = 1 if answer[0] in "+-" else 0
+            answer = answer[:i] + str((int(answer[i]) + 1) % 10) + answer[i + 1 :]
+        return f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
 
     def env_step(self, problem: Problem, transcript: str) -> str | None:
         """Single turn: the episode ends after the model's first turn."""
         return None
+
+
+def _unit_hash(text: str) -> float:
+    """A stable uniform number in [0, 1) of a string (the same on every host and run)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
 
 
 def _key(meta: dict) -> str:
