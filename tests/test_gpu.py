@@ -198,10 +198,10 @@ def test_device_split_async_trainer(tmp_path):
 
 
 def test_main_job_learns(tmp_path):
-    """The main job, whole: RL raises held-out accuracy on a GPU. (Cut to 100 updates, the
-    recipe's RL stage from its 20% warm start gained 3.5 and 9.4 points on an H100.)"""
+    """The main job, whole, on a GPU: RL takes held-out accuracy from the warm start's (which
+    answers like its sloppy demonstrator) past 85% and at least 50 points up, as on the CPU."""
     over = [*RUN, f"run_root={tmp_path}", "name=learn"]
     summary = Trainer(C.load(DEFAULT, over)).run()
     start, end = summary["eval/accuracy_start"], summary["eval/accuracy_end"]
     print(f"held-out accuracy {start:.3f} -> {end:.3f}")
-    assert end >= start + 0.1
+    assert end >= 0.85 and end >= start + 0.5, (start, end)

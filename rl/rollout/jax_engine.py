@@ -76,6 +76,11 @@ def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
+# XLA options of the decode program on a GPU: its GEMMs have one row per slot, where cuBLAS
+# beats XLA's Triton GEMMs, which split K there and add a reduction kernel each
+# (docs/benchmarks.md). The other programs keep XLA's defaults.
+GPU_DECODE_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
 # Prompt and cache lengths: powers of two, then steps of 1.5x (a step attends over at most a
 # third more positions than it needs, for a handful more compiled programs).
 LEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -275,14 +280,12 @@ class JaxEngine:
         )
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
         self._relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
-        # A decode step's GEMMs have one row per slot: on a GPU cuBLAS beats XLA's Triton
-        # GEMMs, which split K there and add a reduction kernel each (docs/benchmarks.md).
         gpu = self.devices[0].platform == "gpu"
         self._decode = jax.jit(
             self._decode_impl,
             static_argnums=(3,),
             donate_argnums=(1,),
-            compiler_options={"xla_gpu_enable_triton_gemm": False} if gpu else None,
+            compiler_options=dict(GPU_DECODE_OPTIONS) if gpu else None,
             out_shardings=(state,) + (rows,) * 3 + (self.replicated,),
         )
         self.pid = os.getpid()
