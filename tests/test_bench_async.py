@@ -35,6 +35,8 @@ def test_bench_async_prints_result_line(tmp_path):
     assert values["speedup"] == pytest.approx(values["sync_s"] / values["async_s"], rel=1e-3)
     assert values["frac_of_ideal"] == pytest.approx(values["speedup"] / values["ideal"], rel=1e-3)
     assert values["window_compiles"] == 0  # engine buckets and packed learner shapes warmed
+    for key in ("occupancy", "saturated_occupancy"):  # the async window's, the saturated pass's
+        assert 0 < values[key] <= 1, (key, last)
     assert values["speedup_inflight"] == pytest.approx(
         values["sync_s"] / values["async_s_inflight"], rel=1e-3
     )

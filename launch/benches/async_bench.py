@@ -41,6 +41,8 @@ class RunTiming:
     learner_shapes: int  # learner programs traced in the window (-1: a remote learner)
     rollout_cpu_s: float  # CPU time of the rollout process in the window
     saturated_s: float  # the window's samples on the sampler alone, every request at once (sync)
+    occupancy: float  # decode rows that produced a token / rows computed, in the window
+    saturated_occupancy: float  # the same over the saturated pass (sync; nan otherwise)
 
 
 def _overrides(args, mode: str, partial: str, transport: str = "local") -> list[str]:
@@ -160,9 +162,10 @@ def _warm_learner(trainer, args) -> None:
     print(f"learner warmed for {len(seen)} packed batch shape(s): {sorted(seen)}", flush=True)
 
 
-def _saturated_s(engine, trainer, args) -> float:
-    """Seconds the engine needs for the window's samples (K updates of the task's budgets) at its
-    saturated rate: every request submitted at once, so freed slots always refill."""
+def _saturated_s(engine, trainer, args) -> tuple[float, float]:
+    """(seconds, slot occupancy) of the engine on the window's samples (K updates of the task's
+    budgets) at its saturated rate: every request submitted at once, so freed slots always
+    refill."""
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
@@ -179,9 +182,18 @@ def _saturated_s(engine, trainer, args) -> float:
                 )
             )
     engine.generate(reqs)  # compiles what the timed pass needs
+    before = engine.stats()
     t0 = time.perf_counter()
     engine.generate([dataclasses.replace(r, request_id=r.request_id + "-t") for r in reqs])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, _occupancy(before, engine.stats())
+
+
+def _occupancy(first: dict, last: dict) -> float:
+    """Slot occupancy between two engine stats() (nan for an engine without the counts)."""
+    if "slot_steps" not in first or "slot_steps" not in last:
+        return float("nan")
+    rows = last["slot_steps"] - first["slot_steps"]
+    return (last["useful_steps"] - first["useful_steps"]) / rows if rows else float("nan")
 
 
 def run_once(
@@ -251,7 +263,9 @@ def run_once(
             -1 if first["learner_traces"] < 0 else last["learner_traces"] - first["learner_traces"]
         ),
         rollout_cpu_s=last["rollout_cpu"] - first["rollout_cpu"],
-        saturated_s=saturated[0] if saturated else float("nan"),
+        saturated_s=saturated[0][0] if saturated else float("nan"),
+        occupancy=_occupancy(first, last),
+        saturated_occupancy=saturated[0][1] if saturated else float("nan"),
     )
 
 
@@ -291,6 +305,7 @@ def _share(cpu_s: float, busy_s: float) -> str:
 def _print_run(t: RunTiming, load: str) -> None:
     """One run's window: each side's busy time, utilisation and the core share it got."""
     busy_l = t.train_s + t.sync_s
+    sat = "" if math.isnan(t.saturated_occupancy) else f" (saturated {t.saturated_occupancy:.1%})"
     print(
         f"{t.transport:5s} {t.mode:5s} {t.partial:8s} window {t.wall_s:6.2f}s | rollout: "
         f"generating {t.gen_busy_s:6.2f}s ({t.gen_busy_s / t.wall_s:4.0%}), cpu/busy "
@@ -299,7 +314,7 @@ def _print_run(t: RunTiming, load: str) -> None:
         f"{_share(t.learner_cpu_s, busy_l)} | staleness max {t.staleness_max:.0f}, "
         f"partial {t.partial_ratio:.2f}, new shapes {t.new_shapes} (learner "
         f"{t.learner_shapes if t.learner_shapes >= 0 else 'n/a'}), transfer "
-        f"{t.weight_transfer_s * 1e3:.0f}ms | "
+        f"{t.weight_transfer_s * 1e3:.0f}ms, slot occupancy {t.occupancy:.1%}{sat} | "
         f"load [{load}]",
         flush=True,
     )
@@ -522,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                         G_s=G,
                         T_s=T,
                         Gc_s=Gc,
+                        occupancy=a.occupancy,
+                        saturated_occupancy=sync.saturated_occupancy,
                     )
                 )
     result: dict[str, float] = {}

@@ -435,6 +435,7 @@ class WorkerPool:
     def stats(self) -> dict:
         """Counters summed over the live workers, plus the pool's own (workers, restarts, ...)."""
         keys = ("busy_s", "tokens", "generate_calls", "traces", "install_s", "updates")
+        keys += ("slot_steps", "useful_steps")  # JAX workers: slot occupancy's counts
         out: dict = dict.fromkeys(keys, 0)
         for s in self._all("stats", timeout=self.call_deadline_s):
             for k in keys:

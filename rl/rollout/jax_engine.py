@@ -346,7 +346,8 @@ class JaxEngine:
         return jax.tree.map(own, params)
 
     def stats(self) -> dict:
-        """Busy time, calls, tokens, weight installs, compilations, slot occupancy, pid."""
+        """Busy time, calls, tokens, weight installs, compilations, slot occupancy (and its
+        counts: rows computed by decode steps, rows that produced a token), pid."""
         return {
             **self.clock.snapshot(),
             "updates": len(self.sync_times),
@@ -354,6 +355,8 @@ class JaxEngine:
             "sync_s": sum(t["total_s"] for t in self.sync_times),
             "traces": self.traces,
             "slot_occupancy": self.useful_steps / self.slot_steps if self.slot_steps else 0.0,
+            "slot_steps": self.slot_steps,
+            "useful_steps": self.useful_steps,
             "pid": self.pid,
         }
 
