@@ -391,6 +391,30 @@ class Learner:
     def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
         """One policy update on a batch (split into `minibatches` optimizer steps)."""
         t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        for mb in self._minibatches(batch, minibatches):
+            with jax.set_mesh(self.mesh):  # traced in the mesh: attention's sharding constraints
+                self.state, met = self._train(self.state, self._device_batch(mb))
+            met = distributed.wait(met, "update")  # a lost learner host fails, not hangs
+            for k, v in met.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches
+        self.version += 1
+        metrics["timing/train_step"] = time.perf_counter() - t0
+        return metrics
+
+    def warm(self, batch: TrainBatch, *, minibatches: int = 1) -> None:
+        """Compiles the programs an update of `batch`'s shapes runs, leaving the state as it was:
+        the step runs once on a copy of the state and its result is dropped (benchmarks warm
+        every packed row count before a timed window)."""
+        mb = self._minibatches(batch, minibatches)[0]
+        copy = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, self.state)
+        with jax.set_mesh(self.mesh):
+            out = self._train(copy, self._device_batch(mb))
+        jax.block_until_ready(out)
+
+    def _minibatches(self, batch: TrainBatch | dict, minibatches: int) -> list[dict]:
+        """The update's host minibatches (checked; with the proximal log-probs of the params at
+        the update's start when the loss needs them across several minibatches)."""
         arrays_in = batch.arrays() if isinstance(batch, TrainBatch) else batch
         segment_ids = arrays_in.get("segment_ids")  # absent: unpacked rows, no segment mask
         packed = segment_ids is not None and np.max(segment_ids) > 1
@@ -409,32 +433,11 @@ class Learner:
         B = arrays["inputs"].shape[0]
         if B % minibatches:
             raise ValueError(f"batch of {B} rows does not split into {minibatches} minibatches")
-        per = B // minibatches
-        metrics: dict[str, float] = {}
-        for i in range(minibatches):  # sliced on host, then placed with the batch sharding
-            mb = {k: np.asarray(v)[i * per : (i + 1) * per] for k, v in arrays.items()}
-            with jax.set_mesh(self.mesh):  # traced in the mesh: attention's sharding constraints
-                self.state, met = self._train(self.state, self._device_batch(mb))
-            met = distributed.wait(met, "update")  # a lost learner host fails, not hangs
-            for k, v in met.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches
-        self.version += 1
-        metrics["timing/train_step"] = time.perf_counter() - t0
-        return metrics
-
-    def warm(self, batch: TrainBatch, *, minibatches: int = 1) -> None:
-        """Compiles the programs an update of `batch`'s shapes runs, leaving the state as it was:
-        the step runs once on a copy of the state and its result is dropped (benchmarks warm
-        every packed row count before a timed window)."""
-        arrays = batch.arrays()
-        if self.step_cfg.needs_proximal and minibatches > 1:
-            self.logprobs(batch)
-        per = arrays["inputs"].shape[0] // minibatches
-        mb = {k: np.asarray(v)[:per] for k, v in arrays.items()}
-        copy = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, self.state)
-        with jax.set_mesh(self.mesh):
-            out = self._train(copy, self._device_batch(mb))
-        jax.block_until_ready(out)
+        per = B // minibatches  # sliced on host, then placed with the batch sharding
+        return [
+            {k: np.asarray(v)[i * per : (i + 1) * per] for k, v in arrays.items()}
+            for i in range(minibatches)
+        ]
 
     def lower_update(self, batch: TrainBatch | dict) -> jax.stages.Lowered:
         """The update step lowered for `batch`'s shapes, not run (compile-time benchmarks)."""

@@ -213,6 +213,19 @@ def test_warm_compiles_the_update_and_leaves_the_state(model_state):
     assert _max_diff(_params_np(cold), _params_np(learner)) == 0.0
 
 
+def test_warm_covers_an_update_with_proximal_logprobs(model_state):
+    """With a proximal loss over two minibatches the update also feeds the log-probs of the
+    params at its start: warm compiles that same program (and the log-prob one)."""
+    eps = _episodes(seed=3)
+    batch = make_batch(eps, _advantages(len(eps), seed=4), row_len=64)
+    cfg = StepConfig(loss="decoupled_ppo", needs_proximal=True)
+    learner = Learner(_model(model_state), optax.sgd(0.0), mesh=_mesh1(), step_cfg=cfg)
+    learner.warm(batch, minibatches=2)
+    traces = learner.traces
+    learner.update(batch, minibatches=2)
+    assert learner.traces == traces
+
+
 def test_packed_logprobs_match_per_episode_forward(model_state):
     eps = _episodes(seed=5)
     logps = _numpy_token_logp(_model(model_state), eps)

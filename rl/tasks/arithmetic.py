@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 from typing import ClassVar
 
@@ -19,6 +18,7 @@ from rl.tasks.base import (
     parse_int,
     sample_problems,
     score,
+    unit_hash,
 )
 from rl.tasks.expr import twin_key
 
@@ -111,7 +111,7 @@ class ArithmeticTask:
         """The completion the demonstrator writes (eos not included): the correct one, or with
         demo_error its first digit one too high for that fraction of problem ids."""
         answer = self.demonstration_answer(problem.answer)
-        if self.demo_error and _unit_hash(f"{self.seed}:{problem.id}") < self.demo_error:
+        if self.demo_error and unit_hash(f"{self.seed}:{problem.id}") < self.demo_error:
             i = 1 if answer[0] in "+-" else 0
             answer = answer[:i] + str((int(answer[i]) + 1) % 10) + answer[i + 1 :]
         return f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"
@@ -119,11 +119,6 @@ class ArithmeticTask:
     def env_step(self, problem: Problem, transcript: str) -> str | None:
         """Single turn: the episode ends after the model's first turn."""
         return None
-
-
-def _unit_hash(text: str) -> float:
-    """A stable uniform number in [0, 1) of a string (the same on every host and run)."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
 
 
 def _key(meta: dict) -> str:

@@ -106,10 +106,14 @@ def score(correct: bool, formatted: bool, format_reward: float) -> RewardResult:
     return RewardResult(reward=reward, correct=correct, formatted=formatted or correct)
 
 
+def unit_hash(text: str) -> float:
+    """A stable uniform number in [0, 1) of a string (the same on every host and run)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2.0**64
+
+
 def in_split(key: str, split: str, eval_fraction: float) -> bool:
     """Whether a problem (by its content key) belongs to split; a fixed hash partition."""
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
-    return (h < eval_fraction) == (split == "eval")
+    return (unit_hash(key) < eval_fraction) == (split == "eval")
 
 
 def sample_problems(
