@@ -20,7 +20,7 @@ from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl import config as C
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
-from rl.rollout.base import SamplingParams
+from rl.rollout.base import GenerationRequest, SamplingParams
 from rl.rollout.jax_engine import JaxEngine
 from rl.tasks import ArithmeticTask
 from rl.trainer import Trainer
@@ -174,6 +174,30 @@ def test_pallas_decode_attention_matches_xla():
     err_pallas = np.abs(run(bf16, "pallas") - want).max()
     assert err_pallas < max(2 * err_xla, 1e-2), (err_pallas, err_xla)
     assert JaxEngine(bf16).decode_attention == "pallas"
+
+
+def test_warm_engine_serves_without_compiling():
+    """One GPU's engine (ragged attention) after warm(prompt_len, max_new_tokens): requests
+    within those lengths, admitted as slots free, trace no program, and the cache stays at the
+    longest length (no relayouts)."""
+    eng = JaxEngine(_model(dtype="bfloat16"), chunk=8, max_batch=16)
+    assert eng.ragged
+    assert eng.warm(prompt_len=24, max_new_tokens=100) > 0
+    warmed = eng.traces
+    rng = np.random.RandomState(0)
+    reqs = [
+        GenerationRequest(
+            f"r{i}",
+            rng.randint(2, SHAPE["vocab_size"], rng.randint(1, 25)).astype(np.int32),
+            SamplingParams(max_new_tokens=int(rng.randint(1, 101)), seed=i),
+        )
+        for i in range(40)
+    ]
+    out = eng.generate(reqs)
+    assert [len(g.token_ids) for g in out] == [r.params.max_new_tokens for r in reqs]
+    assert eng.traces == warmed
+    assert eng._S() == 128  # length_bucket(24 + 100 - 1)
+    eng.close()
 
 
 RUN = [

@@ -115,6 +115,23 @@ def test_served_weights_are_the_weights_given(model_type):
     eng.close()
 
 
+def test_weights_served_in_the_compute_dtype():
+    """float32 master weights with bfloat16 compute are served (and copied) as bfloat16: the
+    same tokens and log-probs, bit for bit, as an engine given bfloat16 weights."""
+    cfg = tiny(dtype="bfloat16")
+    master = randomize(create_model(cfg, seed=1), seed=1)
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(master, nnx.Param))
+    reqs = [_req(f"r{i}", _prompt(i, 4 + i), max_new_tokens=12, seed=i) for i in range(6)]
+    outs = []
+    for weights in (nnx.state(master, nnx.Param), cast):
+        eng = JaxEngine(create_model(cfg, seed=3), chunk=4)
+        eng.update_weights(1, weights)
+        assert {a.dtype for a in jax.tree.leaves(eng.params)} == {jnp.dtype(jnp.bfloat16)}
+        outs.append([(g.token_ids.tolist(), g.logprobs.tolist()) for g in eng.generate(reqs)])
+        eng.close()
+    assert outs[0] == outs[1]
+
+
 def test_same_bucket_does_not_retrace(model):
     # As in a training run: the engine copies the weights of a model on the learner's mesh.
     eng = JaxEngine(shard_model(model, make_mesh(devices=jax.devices()[:1])), chunk=4)
@@ -122,10 +139,13 @@ def test_same_bucket_does_not_retrace(model):
     eng.generate(
         [_req(f"a{i}", _prompt(i, 5 + 3 * i), max_new_tokens=16, seed=i) for i in range(3)]
     )
-    assert eng.traces == 3  # one prefill, a decode per cache length (16, 32)
+    # The serving layout (at construction), one prefill and its insert, a decode per cache
+    # length (16, 32) and the relayout that grew the cache.
+    assert eng.traces == 6
 
     # 4 rows (still 4 slots), prompts 3..12, budgets <= 16, other temperatures and stop
-    # tokens (<= 4 per request): the same programs.
+    # tokens (<= 4 per request): the same prefill, insert and decodes; the one new program is
+    # the relayout that shrinks the cache back to 16 (on a CPU it fits the demand at once).
     def reqs(name, truncate):
         return [
             _req(
@@ -142,13 +162,34 @@ def test_same_bucket_does_not_retrace(model):
         ]
 
     eng.generate(reqs("b", truncate=False))
-    assert eng.traces == 3
+    assert eng.traces == 7
     # Top-k / top-p on: each program once more (its variant that sorts the vocabulary), then
     # other top-k / top-p values reuse it.
     eng.generate(reqs("c", truncate=True))
-    assert eng.traces == 6
+    assert eng.traces == 10
     eng.generate(reqs("d", truncate=True)[::-1])
-    assert eng.traces == 6
+    assert eng.traces == 10
+
+
+def test_warm_compiles_every_program_serving_uses(model):
+    """After warm(prompt_len, max_new_tokens) on fixed slots (here batch-invariant), requests
+    within those lengths, of any prompt bucket and admitted in any number, trace nothing; on
+    slots that follow demand warm compiles nothing (0)."""
+    eng = JaxEngine(model, chunk=4, max_batch=8, cache_len=64)
+    before = eng.traces
+    # 1 decode; prompt buckets 8, 16, 32 x (prefill + insert), one admission size (alone)
+    assert eng.warm(prompt_len=20, max_new_tokens=40) == 7 == eng.traces - before
+    warmed = eng.traces
+    reqs = [
+        _req(f"w{i}", _prompt(i, 1 + 2 * i), max_new_tokens=5 + 3 * i, seed=i) for i in range(10)
+    ]
+    out = eng.generate(reqs)
+    assert [len(g.token_ids) for g in out] == [5 + 3 * i for i in range(10)]
+    assert eng.traces == warmed
+    eng.close()
+    demand = JaxEngine(model, chunk=4)
+    assert demand.warm(prompt_len=20, max_new_tokens=40) == 0
+    demand.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ def _placement(args) -> list[str]:
 
 
 def _warm_engine(engine, trainer, args) -> None:
-    """Compiles the generation programs of every length bucket the task can produce."""
+    """Compiles the generation programs of every length bucket the task can produce (an
+    in-process JaxEngine: every program its fixed slots can run, by JaxEngine.warm)."""
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
@@ -109,6 +110,11 @@ def _warm_engine(engine, trainer, args) -> None:
 
     prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
     rows = args.prompts * args.group
+    if hasattr(engine, "warm"):  # an in-process JaxEngine on fixed slots: its programs at once
+        longest = max(
+            len(trainer.tokenizer.encode(trainer.train_problem(i).prompt)) for i in range(256)
+        )
+        print(f"sampler warmed: {engine.warm(longest, args.max_tokens)} programs", flush=True)
     # Every cache length of either engine kind (on a CPU the cache steps through finer ones).
     buckets = tuple(sorted(set(LEN_BUCKETS) | set(FINE_LEN_BUCKETS)))
     lo = length_bucket(args.min_tokens, buckets)

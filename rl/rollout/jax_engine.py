@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from models.decode_attention import supported
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout.base import (
@@ -222,12 +223,20 @@ class JaxEngine:
         self.cache_rows = KVCache(k=per_layer, v=per_layer)
         # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
         self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
-        # The params tree's shapes (what update_weights' trees match); self.params holds the
-        # weights in their serving layout (_serve_impl).
-        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        # The params tree's shapes (what update_weights' trees match) in the compute dtype: every
+        # use casts a weight to it (the same numbers), so float32 master weights are served and
+        # copied at half the bytes. self.params holds them in their serving layout (_serve_impl).
+        compute = jnp.dtype(model.config.dtype)
+        self._template = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape, compute if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+            ),
+            params,
+        )
         self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
+        self.traces = 0  # programs traced (compilations): prefill, insert, relayout, decode, serve
         self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
-        self.params = self._serve(self._own(params))
+        self.params = self._serve(self._own(self._cast(params)))
         self.version = version
         self.chunk = chunk
         nd = len(self.devices)
@@ -243,6 +252,13 @@ class JaxEngine:
                 "several: 'auto' or 'xla'"
             )
         self.decode_attention = decode_attention
+        c = model.config
+        # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
+        # costs no step time: it only grows (no relayouts back and forth, no programs per length).
+        self.ragged = decode_attention == "pallas" and supported(
+            c.dtype, c.num_attention_heads, c.num_key_value_heads, c.head_dim, LEN_BUCKETS[0]
+        )
+        self._floor = LEN_BUCKETS[0]  # the shortest cache the scheduler allocates (see warm)
         self.overlap = accelerator if overlap is None else overlap
         # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
         # condition may wait on the host each step) is kept to the CPU by default.
@@ -270,7 +286,6 @@ class JaxEngine:
         self._slots: list[_Row | None] = []
         self._state = None  # (cache, tok, pos, n, done, consts), [C, ...] split over the devices
         self._records: collections.deque = collections.deque()
-        self.traces = 0  # prefill and decode programs traced (compilations)
         self.slot_steps = 0  # rows computed by decode steps (slots x steps)
         self.useful_steps = 0  # of those, rows that produced a token
         rows = self.rows
@@ -304,9 +319,7 @@ class JaxEngine:
         buffers then); otherwise update_weights returns when the engine serves the version.
         """
         t0 = time.perf_counter()
-        tree = Weights.of(weights).tree(self._template)
-        params = jax.tree.map(lambda old, new: new.astype(old.dtype), self._template, tree)
-        params = self._own(params)
+        params = self._own(self._cast(Weights.of(weights).tree(self._template)))
         handle = WeightUpdate(version)
         with self._cv:
             self._check_open()
@@ -333,6 +346,10 @@ class JaxEngine:
         t2 = time.perf_counter()
         self.sync_times.append({"copy_s": t1 - t0, "install_s": t2 - t1, "total_s": t2 - t0})
         handle.set_served()
+
+    def _cast(self, tree):
+        """tree's arrays in the template's (serving) dtypes, cast where they are."""
+        return jax.tree.map(lambda t, a: a.astype(t.dtype), self._template, tree)
 
     def _own(self, params):
         """A private copy replicated on the engine's devices (the learner donates its buffers)."""
@@ -364,6 +381,7 @@ class JaxEngine:
     def _serve_impl(self, params):
         """(head, layers): layout.serving_layout of the weights, once per version; records the
         layers' graphdef (static)."""
+        self.traces += 1
         model = nnx.merge(self.graphdef, params, self.rest)
         head, layers, self._layer_def = serving_layout(model)
         return head, layers
@@ -394,9 +412,9 @@ class JaxEngine:
         done = jnp.any(tok[:, None] == stop, axis=-1) | (max_new <= 1)
         return tok, lp, done, cache
 
-    @staticmethod
-    def _insert_impl(state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache, consts_b):
+    def _insert_impl(self, state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache, consts_b):
         """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
+        self.traces += 1
         cache, tok, pos, n, done, consts = state
         T = cache_b.max_len
 
@@ -409,10 +427,10 @@ class JaxEngine:
         consts = tuple(at(a, x) for a, x in zip(consts, consts_b))
         return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b), consts
 
-    @staticmethod
-    def _relayout_impl(state, idx_C, S, n_stop):
+    def _relayout_impl(self, state, idx_C, S, n_stop):
         """State rows idx_C (-1: an empty, finished row), the cache resized to S positions and
         the stop tables widened to n_stop."""
+        self.traces += 1
         cache, tok, pos, n, done, consts = state
         ok = idx_C >= 0
         rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
@@ -499,6 +517,45 @@ class JaxEngine:
         _, lengths, *_, consts = self._abstract(rows, prompt_len)
         tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
         return self._prefill.lower(self.params, tokens, lengths, consts, False)
+
+    def warm(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Compiles, before serving, what requests of at most prompt_len prompt tokens and
+        max_new_tokens new ones use on fixed slots (an accelerator's, or batch-invariant): per
+        prompt bucket and admission size a prefill and an insert, per cache length the
+        scheduler can pick a decode chunk (top-k / top-p off) and the relayouts between them,
+        so that nothing compiles while serving. With ragged attention the cache is held at the
+        longest length from then on (a step costs the same): one length. Call it before the
+        first generate. Returns the programs traced: 0 where slots follow demand (a CPU's; too
+        many shapes to warm, they compile as they come)."""
+        if not self.fixed_slots:
+            return 0
+        before, nd, C = self.traces, len(self.devices), self.max_batch
+        top_T = length_bucket(prompt_len, PROMPT_BUCKETS)
+        Ts = sorted({T for T in PROMPT_BUCKETS if T < top_T} | {top_T})
+        longest = length_bucket(max(top_T, prompt_len + max_new_tokens - 1), self.cache_buckets)
+        if self.cache_len is not None:
+            Ss, sizes = [self.cache_len], {nd}  # every prompt prefilled alone
+        else:
+            Ss = sorted({S for S in self.cache_buckets if S < longest} | {longest})
+            sizes = {-(-min(b, C) // nd) * nd for b in self.prefill_buckets}
+            if self.ragged:
+                Ss, self._floor = [longest], longest
+        i32 = jax.ShapeDtypeStruct((C,), jnp.int32, sharding=self.rows)
+        for S in Ss:
+            state = self._abstract(C, S)
+            self._decode.lower(self.params, state, np.int32(1), False).compile()
+            for other in Ss:
+                if other != S:
+                    old = self._abstract(C, other)
+                    self._relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
+            for T in Ts:
+                for b in sorted(sizes):
+                    _, lengths, *_, consts = self._abstract(b, T)
+                    tokens = jax.ShapeDtypeStruct((b, T), jnp.int32, sharding=self.rows)
+                    pre = self._prefill.lower(self.params, tokens, lengths, consts, False).compile()
+                    tok, _, done, cache = pre.out_info
+                    self._insert.lower(state, lengths, tok, lengths, done, cache, consts).compile()
+        return self.traces - before
 
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
@@ -682,7 +739,7 @@ class JaxEngine:
         if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
             self._flush()
             self._slots = [None] * C
-            cache = init_cache(self.config, C, LEN_BUCKETS[0])
+            cache = init_cache(self.config, C, self.cache_len or self._floor)
             zeros = np.zeros(C, np.int32)
             consts = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
             state = (cache, zeros, zeros, zeros, np.ones(C, bool), consts)
@@ -722,7 +779,7 @@ class JaxEngine:
         # A row that has n tokens (the first one pending until its insert is read) reaches
         # position prompt_len + n - 1 + chunk per chunk in flight and the next one.
         need = max(
-            [extra]
+            [extra, self._floor]
             + [
                 r.prompt_len
                 + min(max(len(r.tokens), 1) - 1 + self.chunk * (r.inflight + 1), r.max_new - 1)
@@ -731,8 +788,9 @@ class JaxEngine:
         )
         S, new = self._S(), length_bucket(need, self.cache_buckets)
         # Where slots follow demand (CPU) the cache shrinks to fit at once; elsewhere once a
-        # quarter of it is in use (each change is a relayout).
-        if not (new > S or (new < S and (not self.fixed_slots or need <= S // 4))):
+        # quarter of it is in use (each change is a relayout); with ragged attention never.
+        shrink = not self.ragged and (not self.fixed_slots or need <= S // 4)
+        if not (new > S or (new < S and shrink)):
             new = S
         if new != S or width != self._n_stop():
             idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
