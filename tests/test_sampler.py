@@ -171,20 +171,30 @@ def test_same_bucket_does_not_retrace(model):
     assert eng.traces == 10
 
 
-def test_warm_compiles_every_program_serving_uses(model):
-    """After warm(prompt_len, max_new_tokens) on fixed slots (here batch-invariant), requests
-    within those lengths, of any prompt bucket and admitted in any number, trace nothing; on
-    slots that follow demand warm compiles nothing (0)."""
-    eng = JaxEngine(model, chunk=4, max_batch=8, cache_len=64)
+@pytest.mark.parametrize("kind", ["batch-invariant", "fixed slots"])
+def test_warm_compiles_every_program_serving_uses(model, kind):
+    """After warm(prompt_len, max_new_tokens) on fixed slots, requests within those lengths, of
+    any prompt bucket, admitted in any number as slots free, trace nothing; where the cache
+    resizes (fixed slots, XLA attention) that covers every cache length and the relayouts
+    between them. Where slots follow demand warm compiles nothing (0)."""
+    opts = dict(cache_len=64) if kind == "batch-invariant" else dict(fixed_slots=True)
+    eng = JaxEngine(model, chunk=4, max_batch=8, **opts)
     before = eng.traces
-    # 1 decode; prompt buckets 8, 16, 32 x (prefill + insert), one admission size (alone)
-    assert eng.warm(prompt_len=20, max_new_tokens=40) == 7 == eng.traces - before
+    n = eng.warm(prompt_len=20, max_new_tokens=40)
+    assert n == eng.traces - before
+    # batch-invariant: 1 decode; prompt buckets 8, 16, 32 x (prefill + insert), one admission
+    # size (alone). Fixed slots: cache lengths 16, 32, 64 (a decode each, 6 relayouts), 3
+    # prompt buckets x 3 admission sizes (1, 4, 8): 9 prefills, and an insert for each
+    # (prompt bucket <= cache length, size): 8 x 3.
+    assert n == (7 if kind == "batch-invariant" else 3 + 6 + 9 + 24)
     warmed = eng.traces
-    reqs = [
-        _req(f"w{i}", _prompt(i, 1 + 2 * i), max_new_tokens=5 + 3 * i, seed=i) for i in range(10)
-    ]
-    out = eng.generate(reqs)
-    assert [len(g.token_ids) for g in out] == [5 + 3 * i for i in range(10)]
+    for rnd in range(2):  # an idle engine's second round starts from the cache it left
+        reqs = [
+            _req(f"w{rnd}-{i}", _prompt(i, 1 + 2 * i), max_new_tokens=5 + 3 * i, seed=i)
+            for i in range(10)
+        ]
+        out = eng.generate(reqs[::-1] if rnd else reqs)
+        assert sorted(len(g.token_ids) for g in out) == [5 + 3 * i for i in range(10)]
     assert eng.traces == warmed
     eng.close()
     demand = JaxEngine(model, chunk=4)

@@ -15,8 +15,11 @@ a chunk ends early on the device (`early_exit`) once no row is live or, with req
 once an eighth of the slots finished.
 
 Shapes are bucketed (slots, cache length, prefill batch and prompt length), so a run compiles a
-handful of programs. The cache grows and shrinks with the longest live row, so a decode step
-attends over the positions in use, not over prompt + budget. Each row samples with its own key
+handful of programs; on fixed slots (`fixed_slots`, the default on accelerators) warm() compiles
+them all before serving. The cache grows and shrinks with the longest live row, so a decode step
+attends over the positions in use, not over prompt + budget (with the Pallas kernel, which reads
+only each row's valid positions, it only grows). Weights are served in the compute dtype.
+Each row samples with its own key
 (fold_in of the request seed and the token index), so a request's output does not depend on what
 it was batched with or when it was admitted.
 
@@ -199,6 +202,7 @@ class JaxEngine:
         cache_len: int | None = None,
         early_exit: bool | None = None,
         decode_attention: str = "auto",
+        fixed_slots: bool | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
@@ -265,8 +269,8 @@ class JaxEngine:
         self.early_exit = (not accelerator) if early_exit is None else early_exit
         # On an accelerator a decode step costs about the same for any number of rows (it reads
         # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
-        # step costs per row, so there the slots follow demand (powers of two).
-        self.fixed_slots = accelerator or cache_len is not None
+        # step costs per row, so there the slots follow demand (powers of two) unless asked.
+        self.fixed_slots = accelerator or cache_len is not None or bool(fixed_slots)
         self.cache_buckets = LEN_BUCKETS if self.fixed_slots else FINE_LEN_BUCKETS
         # A CPU's prefill also costs per row: admissions there are padded to powers of two.
         self.prefill_buckets = PREFILL_BUCKETS if self.fixed_slots else BATCH_BUCKETS
@@ -548,7 +552,7 @@ class JaxEngine:
                 if other != S:
                     old = self._abstract(C, other)
                     self._relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
-            for T in Ts:
+            for T in (T for T in Ts if T <= S):  # a prefill grows the cache to its bucket
                 for b in sorted(sizes):
                     _, lengths, *_, consts = self._abstract(b, T)
                     tokens = jax.ShapeDtypeStruct((b, T), jnp.int32, sharding=self.rows)
