@@ -108,3 +108,26 @@ def test_agent_per_problem_budget_and_ignore_eos(tmp_path):
     assert tok.eos_id in eng.requests[0].params.stop_token_ids
     assert eng.requests[1].params.stop_token_ids == eng.requests[2].params.stop_token_ids == ()
     assert [e.num_generated for e in eps] == [1, 5, 9]
+
+
+def test_timeline_summary_counts_empty_slots_and_stalls():
+    """Empty slot-seconds split by whether rows were queued; stalls are slow scheduler calls
+    other than read-backs; events outside the window are left out."""
+    from launch.benches.async_bench import timeline_summary
+
+    events = [  # (kind, start, end, live, queued, cache length, slots) for chunks
+        ("chunk", 0.5, 0.51, 8, 0, 64, 8),  # before the window
+        ("chunk", 1.0, 1.01, 6, 0, 64, 8),  # 1.0 -> 1.1: 2/8 empty, nothing queued
+        ("read", 1.02, 1.5),  # a read-back waits for the device: no stall
+        ("chunk", 1.1, 1.11, 4, 3, 64, 8),  # 1.1 -> 1.3: 4/8 empty, rows queued
+        ("admit", 1.2, 1.35, 2),  # a stall
+        ("chunk", 1.3, 1.31, 8, 0, 64, 8),
+        ("install", 1.32, 1.34),  # short
+        ("chunk", 2.5, 2.51, 0, 0, 64, 8),  # after the window
+    ]
+    s = timeline_summary(events, 1.0, 2.0)
+    assert s["chunks"] == 3
+    assert s["chunk_ms"] == pytest.approx(150.0)  # median of 100 and 200 ms
+    assert s["empty_starved_s"] == pytest.approx(0.1 * 2 / 8)
+    assert s["empty_queued_s"] == pytest.approx(0.2 * 4 / 8)
+    assert s["stalls"] == [("admit", 0.2, 0.15)]

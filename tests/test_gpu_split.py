@@ -115,7 +115,7 @@ def test_engine_on_two_devices_equals_one_device_engine(models):
         np.testing.assert_array_equal(got.token_ids, want.token_ids)
         assert np.abs(got.logprobs - want.logprobs).max() < 1e-5
         assert (got.versions == 0).all()
-    # the same programs as the one-device engine (prefill, a decode per cache length)
+    # the same programs as the one-device engine (layout, prefill, insert, decodes, relayouts)
     traces = split.stats()["traces"]
     assert split.stats()["busy_s"] > 0 and traces == ref.stats()["traces"] >= 2
 

@@ -171,6 +171,24 @@ def test_same_bucket_does_not_retrace(model):
     assert eng.traces == 10
 
 
+def test_timeline_records_the_scheduler_calls(model):
+    """With a timeline list set, each decode dispatch, read-back, admission (prefill) and weight
+    install is recorded with its start and end; every request is admitted once."""
+    eng = JaxEngine(model, chunk=4, max_batch=4)
+    eng.timeline = []
+    eng.generate([_req(f"t{i}", _prompt(i, 3 + i), max_new_tokens=6 + i, seed=i) for i in range(6)])
+    eng.update_weights(1, nnx.state(model, nnx.Param))
+    kinds = [e[0] for e in eng.timeline]
+    assert set(kinds) == {"chunk", "read", "admit", "install"} and kinds.count("install") == 1
+    assert all(e[1] <= e[2] for e in eng.timeline)
+    assert sum(e[3] for e in eng.timeline if e[0] == "admit") == 6
+    chunks = [e for e in eng.timeline if e[0] == "chunk"]
+    assert kinds.count("read") == len(chunks)
+    assert all(0 < live <= C <= 4 and queued >= 0 for *_, live, queued, S, C in chunks)
+    assert any(queued > 0 for *_, queued, S, C in chunks)  # 6 requests, 4 slots
+    eng.close()
+
+
 @pytest.mark.parametrize("kind", ["batch-invariant", "fixed slots"])
 def test_warm_compiles_every_program_serving_uses(model, kind):
     """After warm(prompt_len, max_new_tokens) on fixed slots, requests within those lengths, of

@@ -43,6 +43,39 @@ class RunTiming:
     saturated_s: float  # the window's samples on the sampler alone, every request at once (sync)
     occupancy: float  # decode rows that produced a token / rows computed, in the window
     saturated_occupancy: float  # the same over the saturated pass (sync; nan otherwise)
+    timeline: dict | None = None  # --timeline: timeline_summary of the window (in-process engine)
+
+
+STALL_S = 0.08  # a scheduler call this long (not a read-back, which waits for the device) stalls
+
+
+def timeline_summary(events: list, start: float, end: float) -> dict:
+    """What a JaxEngine timeline says about the window [start, end): decode chunks and their
+    median spacing; slot-seconds empty (each chunk interval times its empty share of the slots)
+    with nothing queued (starved: the staleness bound admitted no more) and with rows queued;
+    and the scheduler calls that stalled it (admit, install, chunk dispatch >= STALL_S)."""
+    win = [e for e in events if start <= e[1] < end]
+    chunks = [e for e in win if e[0] == "chunk"]
+    gaps = [b[1] - a[1] for a, b in zip(chunks, chunks[1:])]
+    starved = queued = 0.0
+    for a, b in zip(chunks, chunks[1:]):
+        empty = (b[1] - a[1]) * (a[6] - a[3]) / a[6]  # (kind, start, end, live, queued, S, C)
+        if a[4]:
+            queued += empty
+        else:
+            starved += empty
+    stalls = [
+        (e[0], round(e[1] - start, 3), round(e[2] - e[1], 3))
+        for e in win
+        if e[0] != "read" and e[2] - e[1] >= STALL_S
+    ]
+    return {
+        "chunks": len(chunks),
+        "chunk_ms": statistics.median(gaps) * 1e3 if gaps else float("nan"),
+        "empty_starved_s": starved,
+        "empty_queued_s": queued,
+        "stalls": stalls,
+    }
 
 
 def _overrides(args, mode: str, partial: str, transport: str = "local") -> list[str]:
@@ -220,6 +253,8 @@ def run_once(
 
     def on_engine(engine) -> None:  # before the first evaluation: compile every length bucket
         engines.append(engine)
+        if args.timeline and hasattr(engine, "timeline"):
+            engine.timeline = []
         _warm_engine(engine, trainer, args)
         if args.pack and not trainer.remote:
             _warm_learner(trainer, args)
@@ -245,6 +280,15 @@ def run_once(
     window = [rows[v] for v in range(w0 + 1, w1 + 1)]
     first, last = snaps[w0], snaps[w1]
     final = snaps[max(snaps)]  # the last update's counters: every weight update of the run
+    timeline = None
+    if getattr(engines[0], "timeline", None) is not None:
+        events = engines[0].timeline
+        timeline = timeline_summary(events, first["now"], last["now"])
+        os.makedirs(args.timeline, exist_ok=True)
+        path = os.path.join(args.timeline, f"{mode}-{partial}-{transport}-r{round_}.json")
+        with open(path, "w") as f:
+            kept = [e for e in events if first["now"] <= e[1] < last["now"]]
+            json.dump({"start": first["now"], "summary": timeline, "events": kept}, f)
     return RunTiming(
         mode=mode,
         partial=partial,
@@ -272,6 +316,7 @@ def run_once(
         saturated_s=saturated[0][0] if saturated else float("nan"),
         occupancy=_occupancy(first, last),
         saturated_occupancy=saturated[0][1] if saturated else float("nan"),
+        timeline=timeline,
     )
 
 
@@ -324,6 +369,15 @@ def _print_run(t: RunTiming, load: str) -> None:
         f"load [{load}]",
         flush=True,
     )
+    if t.timeline is not None:
+        tl = t.timeline
+        print(
+            f"  sampler timeline: {tl['chunks']} chunks, {tl['chunk_ms']:.1f} ms apart (median); "
+            f"slots empty {tl['empty_starved_s']:.2f}s with nothing queued, "
+            f"{tl['empty_queued_s']:.2f}s with rows queued; stalls >= {STALL_S * 1e3:.0f} ms "
+            f"(call, at, seconds): {tl['stalls']}",
+            flush=True,
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -395,6 +449,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=600.0, help="trainer.deadline_s")
     p.add_argument("--run-root", help="where run directories go (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of (sync, async) runs")
+    p.add_argument(
+        "--timeline",
+        help="a directory: an in-process sampler (--rollout-devices) records its scheduler's "
+        "calls; each run writes its window's to DIR/<mode>-<partial>-<transport>-r<round>.json "
+        "and prints a summary (empty slots, stalls)",
+    )
     p.add_argument(
         "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype"
     )

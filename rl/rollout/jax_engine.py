@@ -292,6 +292,10 @@ class JaxEngine:
         self._records: collections.deque = collections.deque()
         self.slot_steps = 0  # rows computed by decode steps (slots x steps)
         self.useful_steps = 0  # of those, rows that produced a token
+        # Diagnostics: set to a list and the scheduler appends (kind, start, end, *info) of its
+        # calls: ("chunk", .., live rows, waiting rows, cache length, slots) at a dispatch,
+        # ("read", ..) at each read-back, ("admit", .., rows) at each prefill, ("install", ..).
+        self.timeline: list | None = None
         rows = self.rows
         state = self.state_rows
         self._prefill = jax.jit(
@@ -335,8 +339,13 @@ class JaxEngine:
             handle.wait(self.deadline_s)
         return handle
 
+    def _note(self, kind: str, t0: float, *info) -> None:
+        if self.timeline is not None:
+            self.timeline.append((kind, t0, time.perf_counter(), *info))
+
     def _install(self) -> None:
         """Serves the oldest queued update (no row is live, or any under `inflight`)."""
+        t_start = time.perf_counter()
         with self._cv:
             version, params, t0, t1, handle = self._installs.popleft()
             if not self._installs:
@@ -350,6 +359,7 @@ class JaxEngine:
         t2 = time.perf_counter()
         self.sync_times.append({"copy_s": t1 - t0, "install_s": t2 - t1, "total_s": t2 - t0})
         handle.set_served()
+        self._note("install", t_start)
 
     def _cast(self, tree):
         """tree's arrays in the template's (serving) dtypes, cast where they are."""
@@ -715,7 +725,7 @@ class JaxEngine:
 
     def _prefill_rows(self, rows: list[_Row], free: list[int]) -> None:
         """Prefills rows into the free slots (in order) and queues their first tokens."""
-        nd = len(self.devices)
+        t0, nd = time.perf_counter(), len(self.devices)
         n_stop = max(len(r.req.params.stop_token_ids) for r in rows)
         T = length_bucket(max(r.prompt_len for r in rows), PROMPT_BUCKETS)
         self._fit_cache(extra=T, n_stop=n_stop)
@@ -737,6 +747,7 @@ class JaxEngine:
         tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts, truncate)
         self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
         self._records.append(("insert", rows, tok, lp, self.version))
+        self._note("admit", t0, len(rows))
 
     def _resize(self, live: list[_Row], C: int) -> None:
         """C slots: live rows kept (moved to the front when shrinking), the rest empty."""
@@ -802,13 +813,15 @@ class JaxEngine:
 
     def _dispatch(self) -> None:
         """Runs one decode chunk over every slot (asynchronously; read back by _process)."""
+        t0 = time.perf_counter()
         self._fit_cache()
         for r in self._slots:
             if r is not None:
                 r.inflight += 1
         C = len(self._slots)
         with self._cv:
-            waiting = len(self._waiting) if self.continuous else 0
+            queued = len(self._waiting)
+        waiting = queued if self.continuous else 0
         # With requests waiting, the chunk ends once enough rows finished to admit some (a
         # freed slot idles no longer than that); otherwise it runs until no row is live.
         stop_after = max(1, min(waiting, C // EARLY_EXIT_FRACTION)) if waiting else C + 1
@@ -817,9 +830,11 @@ class JaxEngine:
             self.params, self._state, np.int32(stop_after), truncate
         )
         self._records.append(("chunk", list(self._slots), toks, lps, done, steps, self.version))
+        self._note("chunk", t0, sum(r is not None for r in self._slots), queued, self._S(), C)
 
     def _process(self, record) -> None:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
+        t0 = time.perf_counter()
         if record[0] == "insert":
             _, rows, tok, lp, version = record
             tok, lp = jax.device_get((tok, lp))
@@ -845,6 +860,7 @@ class JaxEngine:
             r.versions.extend([version] * int(m.sum()))
             if done[s]:
                 self._finish(r)
+        self._note("read", t0)
 
     def _flush(self) -> None:
         while self._records:
