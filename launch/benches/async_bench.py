@@ -255,6 +255,8 @@ def run_once(
         engines.append(engine)
         if args.timeline and hasattr(engine, "timeline"):
             engine.timeline = []
+        elif args.timeline:
+            print("--timeline: the sampler runs in another process (needs --rollout-devices)")
         _warm_engine(engine, trainer, args)
         if args.pack and not trainer.remote:
             _warm_learner(trainer, args)

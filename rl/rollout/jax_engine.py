@@ -18,10 +18,10 @@ Shapes are bucketed (slots, cache length, prefill batch and prompt length), so a
 handful of programs; on fixed slots (`fixed_slots`, the default on accelerators) warm() compiles
 them all before serving. The cache grows and shrinks with the longest live row, so a decode step
 attends over the positions in use, not over prompt + budget (with the Pallas kernel, which reads
-only each row's valid positions, it only grows). Weights are served in the compute dtype.
-Each row samples with its own key
-(fold_in of the request seed and the token index), so a request's output does not depend on what
-it was batched with or when it was admitted.
+only each row's valid positions, it only grows). Weights are served in the compute dtype. Each
+row samples with its own key (fold_in of the request seed and the token index), so a request's
+output does not depend on what it was batched with or when it was admitted. `timeline` records
+the scheduler's calls, for diagnostics.
 
 Weight updates land between chunks: under `drain` admissions pause until the live rows finish;
 under `continue` live rows return 'abort' partials (tokens so far, with their version) and the
@@ -269,8 +269,10 @@ class JaxEngine:
         self.early_exit = (not accelerator) if early_exit is None else early_exit
         # On an accelerator a decode step costs about the same for any number of rows (it reads
         # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
-        # step costs per row, so there the slots follow demand (powers of two) unless asked.
-        self.fixed_slots = accelerator or cache_len is not None or bool(fixed_slots)
+        # step costs per row, so there the slots follow demand (powers of two). Batch-invariant
+        # engines always keep them fixed.
+        fixed = accelerator if fixed_slots is None else fixed_slots
+        self.fixed_slots = fixed or cache_len is not None
         self.cache_buckets = LEN_BUCKETS if self.fixed_slots else FINE_LEN_BUCKETS
         # A CPU's prefill also costs per row: admissions there are padded to powers of two.
         self.prefill_buckets = PREFILL_BUCKETS if self.fixed_slots else BATCH_BUCKETS
@@ -340,6 +342,7 @@ class JaxEngine:
         return handle
 
     def _note(self, kind: str, t0: float, *info) -> None:
+        """Records a scheduler call that started at t0 (when a timeline is kept)."""
         if self.timeline is not None:
             self.timeline.append((kind, t0, time.perf_counter(), *info))
 
