@@ -524,13 +524,12 @@ class JaxEngine:
 
     def lower_decode(self, slots: int, cache_len: int) -> jax.stages.Lowered:
         """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
-        allocated or run (compile-time benchmarks)."""
+        allocated or run (compile-time benchmarks, warm)."""
         state = self._abstract(slots, cache_len)
-        stop_after = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return self._decode.lower(self.params, state, stop_after, False)
+        return self._decode.lower(self.params, state, np.int32(1), False)  # as _dispatch calls it
 
     def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
-        """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run."""
+        """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run (warm)."""
         _, lengths, *_, consts = self._abstract(rows, prompt_len)
         tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
         return self._prefill.lower(self.params, tokens, lengths, consts, False)
@@ -546,31 +545,29 @@ class JaxEngine:
         many shapes to warm, they compile as they come)."""
         if not self.fixed_slots:
             return 0
-        before, nd, C = self.traces, len(self.devices), self.max_batch
+        before, C = self.traces, self.max_batch
         top_T = length_bucket(prompt_len, PROMPT_BUCKETS)
         Ts = sorted({T for T in PROMPT_BUCKETS if T < top_T} | {top_T})
         longest = length_bucket(max(top_T, prompt_len + max_new_tokens - 1), self.cache_buckets)
         if self.cache_len is not None:
-            Ss, sizes = [self.cache_len], {nd}  # every prompt prefilled alone
+            Ss, sizes = [self.cache_len], {self._admission_rows(1)}  # each prompt alone
         else:
             Ss = sorted({S for S in self.cache_buckets if S < longest} | {longest})
-            sizes = {-(-min(b, C) // nd) * nd for b in self.prefill_buckets}
+            sizes = {self._admission_rows(b) for b in self.prefill_buckets}
             if self.ragged:
                 Ss, self._floor = [longest], longest
         i32 = jax.ShapeDtypeStruct((C,), jnp.int32, sharding=self.rows)
         for S in Ss:
             state = self._abstract(C, S)
-            self._decode.lower(self.params, state, np.int32(1), False).compile()
+            self.lower_decode(C, S).compile()
             for other in Ss:
                 if other != S:
                     old = self._abstract(C, other)
                     self._relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
             for T in (T for T in Ts if T <= S):  # a prefill grows the cache to its bucket
                 for b in sorted(sizes):
+                    tok, _, done, cache = self.lower_prefill(b, T).compile().out_info
                     _, lengths, *_, consts = self._abstract(b, T)
-                    tokens = jax.ShapeDtypeStruct((b, T), jnp.int32, sharding=self.rows)
-                    pre = self._prefill.lower(self.params, tokens, lengths, consts, False).compile()
-                    tok, _, done, cache = pre.out_info
                     self._insert.lower(state, lengths, tok, lengths, done, cache, consts).compile()
         return self.traces - before
 
@@ -728,11 +725,11 @@ class JaxEngine:
 
     def _prefill_rows(self, rows: list[_Row], free: list[int]) -> None:
         """Prefills rows into the free slots (in order) and queues their first tokens."""
-        t0, nd = time.perf_counter(), len(self.devices)
+        t0 = time.perf_counter()
         n_stop = max(len(r.req.params.stop_token_ids) for r in rows)
         T = length_bucket(max(r.prompt_len for r in rows), PROMPT_BUCKETS)
         self._fit_cache(extra=T, n_stop=n_stop)
-        b = -(-min(length_bucket(len(rows), self.prefill_buckets), self.max_batch) // nd) * nd
+        b = self._admission_rows(len(rows))
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
@@ -751,6 +748,12 @@ class JaxEngine:
         self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
         self._records.append(("insert", rows, tok, lp, self.version))
         self._note("admit", t0, len(rows))
+
+    def _admission_rows(self, n: int) -> int:
+        """Rows of the prefill that admits n requests: a prefill bucket, at most max_batch,
+        split evenly over the devices."""
+        nd = len(self.devices)
+        return -(-min(length_bucket(n, self.prefill_buckets), self.max_batch) // nd) * nd
 
     def _resize(self, live: list[_Row], C: int) -> None:
         """C slots: live rows kept (moved to the front when shrinking), the rest empty."""
@@ -833,7 +836,8 @@ class JaxEngine:
             self.params, self._state, np.int32(stop_after), truncate
         )
         self._records.append(("chunk", list(self._slots), toks, lps, done, steps, self.version))
-        self._note("chunk", t0, sum(r is not None for r in self._slots), queued, self._S(), C)
+        if self.timeline is not None:  # (the live count only when a timeline is kept)
+            self._note("chunk", t0, sum(r is not None for r in self._slots), queued, self._S(), C)
 
     def _process(self, record) -> None:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
