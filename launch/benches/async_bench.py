@@ -56,10 +56,11 @@ def timeline_summary(events: list, start: float, end: float) -> dict:
     and the scheduler calls that stalled it (admit, install, chunk dispatch >= STALL_S)."""
     win = [e for e in events if start <= e[1] < end]
     chunks = [e for e in win if e[0] == "chunk"]
-    gaps = [b[1] - a[1] for a, b in zip(chunks, chunks[1:])]
+    gaps = []
     starved = queued = 0.0
     for a, b in zip(chunks, chunks[1:]):
-        empty = (b[1] - a[1]) * (a[6] - a[3]) / a[6]  # (kind, start, end, live, queued, S, C)
+        gaps.append(b[1] - a[1])
+        empty = gaps[-1] * (a[6] - a[3]) / a[6]  # (kind, start, end, live, queued, S, C)
         if a[4]:
             queued += empty
         else:
@@ -284,12 +285,11 @@ def run_once(
     final = snaps[max(snaps)]  # the last update's counters: every weight update of the run
     timeline = None
     if getattr(engines[0], "timeline", None) is not None:
-        events = engines[0].timeline
-        timeline = timeline_summary(events, first["now"], last["now"])
+        kept = [e for e in engines[0].timeline if first["now"] <= e[1] < last["now"]]
+        timeline = timeline_summary(kept, first["now"], last["now"])
         os.makedirs(args.timeline, exist_ok=True)
         path = os.path.join(args.timeline, f"{mode}-{partial}-{transport}-r{round_}.json")
         with open(path, "w") as f:
-            kept = [e for e in events if first["now"] <= e[1] < last["now"]]
             json.dump({"start": first["now"], "summary": timeline, "events": kept}, f)
     return RunTiming(
         mode=mode,
