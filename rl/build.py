@@ -172,6 +172,19 @@ def row_length(cfg: C.RunConfig, task, tokenizer, problems) -> int:
     return bucket(max(prompts) + 8 + turns * cfg.rollout.max_new_tokens + (turns - 1) * 32)
 
 
+def warm_spec(cfg: C.RunConfig, task, tokenizer, problems):
+    """What the JAX sampler compiles before serving (rollout.engine jax): requests of the
+    longest prompt a turn can have (the first prompt, then the turns before it with their
+    observations, as in row_length) and rollout.max_new_tokens new tokens."""
+    from rl.rollout.jax_engine import Warm
+
+    r = cfg.rollout
+    prompts = [len(tokenizer.encode(p.prompt)) for p in problems[:64]]
+    turns = getattr(task, "max_turns", 1)
+    prompt = max(prompts) + 8 + (turns - 1) * (r.max_new_tokens + 32)
+    return Warm(prompt, r.max_new_tokens, truncate=r.top_k > 0 or r.top_p < 1.0)
+
+
 def update_batch(cfg: C.RunConfig, groups, *, row_len: int, unit: int):
     """The TrainBatch of one update: the groups' advantages (algorithm.advantage) on every
     token, packed (learner.pack, row counts a multiple of `unit`: pack_unit) or one row per
@@ -279,13 +292,15 @@ def make_engine(
     param_server=None,
     run_dir: str = "",
     cache_len: int | None = None,
+    warm=None,
 ):
     """The local transport's rollout engine, serving the learner's current weights.
 
     vLLM hosts (launched here, or rollout.vllm.urls) reload from the parameter server's
     directories; the JAX sampler runs where `place` says (a process of its own, beside the
-    learner, or on rollout devices of its own). With rollout.batch_invariant the JAX sampler
-    computes every row at fixed shapes, its cache `cache_len` positions (row_length).
+    learner, or on rollout devices of its own) and compiles what `warm` (warm_spec) says
+    before serving. With rollout.batch_invariant the JAX sampler computes every row at fixed
+    shapes, its cache `cache_len` positions (row_length).
     """
     t = cfg.trainer
     common = dict(
@@ -316,6 +331,7 @@ def make_engine(
             )
         param_server.served("engine", version)
         return engine
+    common["warm"] = warm
     if place.kind == "process":
         from rl.rollout.process_engine import ProcessEngine
 
@@ -345,7 +361,7 @@ def streams(cfg: C.RunConfig) -> int:
     return 2 * max(1, cfg.rollout.batch_size // cfg.rollout.group_size)
 
 
-def make_eval_engine(cfg: C.RunConfig, learner: Learner):
+def make_eval_engine(cfg: C.RunConfig, learner: Learner, warm=None):
     """An in-process JAX sampler on the learner's weights: the evaluator beside local vLLM
     hosts (the hosts keep serving rollouts)."""
     from rl.rollout.jax_engine import JaxEngine
@@ -355,4 +371,5 @@ def make_eval_engine(cfg: C.RunConfig, learner: Learner):
         version=learner.version,
         max_batch=cfg.rollout.batch_size,
         deadline_s=cfg.trainer.deadline_s,
+        warm=warm,
     )

@@ -164,6 +164,13 @@ class RolloutSection:
         "learner's row length, prompts prefilled alone), so log-probs do not depend on the batch "
         "(slower); what `launch.train --replay` needs to reproduce a run bit for bit",
     )
+    warm: bool = F(
+        True,
+        "the JAX sampler compiles, before the first update, every program its fixed slots (an "
+        "accelerator's, or batch_invariant) serve for the run's prompt and generation lengths, "
+        "so that none compiles while it serves (a longer start); false: each compiles when "
+        "first needed",
+    )
     streams: int = F(
         0,
         "groups generating at once on the local engine, each its own admit -> generate -> "

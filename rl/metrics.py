@@ -478,6 +478,7 @@ ENGINE_METRICS = {
     "batch_mbytes": "transport/batch_mbytes",
     "updates": "rollout/weight_updates",
     "traces": "rollout/compilations",
+    "warm_traces": "rollout/compilations_warm",
     "slot_occupancy": "rollout/slot_occupancy",
 }
 

@@ -11,6 +11,7 @@ driven through rl/lockstep.py (this process is its host 0).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -202,6 +203,9 @@ class Trainer:
     def _make_rollout(self):
         """(rollout with its dispatch slots, the engine behind it, the evaluation engine)."""
         cfg, learner = self.cfg, self.learner
+        warm = None  # what the JAX sampler compiles before serving (rollout.warm)
+        if cfg.rollout.warm:
+            warm = build.warm_spec(cfg, self.task, self.tokenizer, self.eval_problems)
         if self.remote:
             from rl.ray.pool import worker_pool
 
@@ -214,6 +218,7 @@ class Trainer:
                 tokenizer_dir=self.tok_dir,
                 tokenizer=self.tokenizer,
                 cores=self.cores.rollout if self.cores else (),
+                warm=warm,
             )
             return pool, pool, pool
         if cfg.rollout.engine == "vllm":
@@ -227,8 +232,13 @@ class Trainer:
             param_server=self.param_server,
             run_dir=self.run_dir,
             cache_len=build.row_length(cfg, self.task, self.tokenizer, self.eval_problems),
+            warm=warm,
         )
-        evaluator = engine if self.param_server is None else build.make_eval_engine(cfg, learner)
+        if self.param_server is None:
+            evaluator = engine
+        else:  # greedy: no top-k / top-p programs
+            greedy = warm and dataclasses.replace(warm, truncate=False)
+            evaluator = build.make_eval_engine(cfg, learner, greedy)
         rollout = LocalRollout(engine, self.task, self.tokenizer, build.streams(cfg))
         return rollout, engine, evaluator
 

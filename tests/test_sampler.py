@@ -20,7 +20,7 @@ from models.transformer import init_cache
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
 from rl.rollout.base import GenerationRequest, SamplingParams
-from rl.rollout.jax_engine import JaxEngine
+from rl.rollout.jax_engine import JaxEngine, Warm
 from rl.rollout.sampling import SAMPLE_BLOCK, process_logits
 from rl.rollout.sampling import key_data as _key_data
 from rl.rollout.sampling import sample as _sample
@@ -218,6 +218,26 @@ def test_warm_compiles_every_program_serving_uses(model, kind):
     demand = JaxEngine(model, chunk=4)
     assert demand.warm(prompt_len=20, max_new_tokens=40) == 0
     demand.close()
+
+
+def test_engine_warmed_at_construction_serves_top_k_and_greedy_without_tracing(model):
+    """JaxEngine(warm=Warm(.., truncate=True)) compiles before serving, besides warm()'s
+    programs, the prefills and the decode chunk that truncate (top-k / top-p): requests with
+    top-k, top-p or neither, mixed in one batch, trace nothing."""
+    eng = JaxEngine(model, chunk=4, max_batch=8, cache_len=64, warm=Warm(20, 40, truncate=True))
+    # warm()'s 7 (one decode, 3 prompt buckets x (prefill + insert)), a truncating decode and 3
+    # truncating prefills; and the serving layout, traced when the engine is built.
+    assert eng.traces == 1 + 7 + 1 + 3
+    warmed = eng.traces
+    kinds = [dict(top_k=5), dict(top_p=0.9), dict(temperature=0.0), {}]
+    reqs = [
+        _req(f"t{i}", _prompt(i, 1 + 2 * i), max_new_tokens=5 + 3 * i, seed=i, **kinds[i % 4])
+        for i in range(10)
+    ]
+    out = eng.generate(reqs)
+    assert sorted(len(g.token_ids) for g in out) == [5 + 3 * i for i in range(10)]
+    assert eng.traces == warmed
+    eng.close()
 
 
 # ---------------------------------------------------------------------------------------------

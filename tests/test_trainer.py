@@ -220,6 +220,18 @@ def test_async_eta0_equals_plain_sync_loop(root, async0_run):
     assert any(abs(r["loss/pg_loss"]) > 1e-4 for r in plain)  # nothing trivially equal
 
 
+def test_batch_invariant_sampler_compiles_before_the_run_serves(async0_run):
+    """The trainer warms its JAX sampler (build.warm_spec) on fixed slots (batch-invariant
+    here, an accelerator's by default): every program the run's rollouts and evaluations use is
+    compiled before the first update, none while it serves."""
+    rows = [r for r in async0_run if "rollout/compilations" in r]  # the update rows
+    assert len(rows) == TOTAL
+    # all of them warm()'s but the serving layout's (traced when the engine is built)
+    for r in rows:
+        assert r["rollout/compilations_warm"] > 1
+        assert r["rollout/compilations"] == r["rollout/compilations_warm"] + 1, r
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) exact resume
 

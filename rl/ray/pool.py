@@ -435,7 +435,8 @@ class WorkerPool:
     def stats(self) -> dict:
         """Counters summed over the live workers, plus the pool's own (workers, restarts, ...)."""
         keys = ("busy_s", "tokens", "generate_calls", "traces", "install_s", "updates")
-        keys += ("slot_steps", "useful_steps")  # JAX workers: slot occupancy's counts
+        # JAX workers: compilations before serving, slot occupancy's counts
+        keys += ("warm_traces", "slot_steps", "useful_steps")
         out: dict = dict.fromkeys(keys, 0)
         for s in self._all("stats", timeout=self.call_deadline_s):
             for k in keys:
@@ -479,8 +480,10 @@ def worker_pool(
     tokenizer_dir: str,
     tokenizer,
     cores: tuple[int, ...] = (),
+    warm=None,
 ) -> WorkerPool:
-    """The run's rollout workers (trainer.ray, rollout.*) serving `weights` as `version`."""
+    """The run's rollout workers (trainer.ray, rollout.*) serving `weights` as `version`; a JAX
+    sampler compiles what `warm` (build.warm_spec) says before serving."""
     r, v = cfg.trainer.ray, cfg.rollout.vllm
     opts = RayOptions(
         address=r.address,
@@ -520,6 +523,7 @@ def worker_pool(
             "max_batch": cfg.rollout.batch_size,
             "deadline_s": cfg.trainer.deadline_s,
             "update_mode": cfg.trainer.partial,
+            "warm": warm,
         },
         call_deadline_s=cfg.trainer.deadline_s,
         vllm=vllm,

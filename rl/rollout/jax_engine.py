@@ -72,6 +72,16 @@ from rl.rollout.layout import params_of_layout, serving_layout
 from rl.rollout.sampling import key_data, process_logits, sample
 
 
+@dataclasses.dataclass(frozen=True)
+class Warm:
+    """What JaxEngine(warm=..) compiles before serving: programs for requests of at most
+    prompt_len prompt tokens and max_new_tokens new ones (top-k / top-p: `truncate`)."""
+
+    prompt_len: int
+    max_new_tokens: int
+    truncate: bool = False
+
+
 def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n (past the last one: a multiple of it)."""
     for b in buckets:
@@ -203,6 +213,7 @@ class JaxEngine:
         early_exit: bool | None = None,
         decode_attention: str = "auto",
         fixed_slots: bool | None = None,
+        warm: Warm | None = None,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
@@ -239,6 +250,7 @@ class JaxEngine:
         )
         self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
         self.traces = 0  # programs traced (compilations): prefill, insert, relayout, decode, serve
+        self.warm_traces = 0  # of those, traced by warm() before serving
         self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
         self.params = self._serve(self._own(self._cast(params)))
         self.version = version
@@ -317,6 +329,8 @@ class JaxEngine:
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
         self.clock = BusyClock()
         _ENGINES.add(self)
+        if warm is not None:  # before serving, so that nothing compiles while it serves
+            self.warm(warm.prompt_len, warm.max_new_tokens, truncate=warm.truncate)
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, version: int, weights) -> WeightUpdate:
@@ -380,14 +394,16 @@ class JaxEngine:
         return jax.tree.map(own, params)
 
     def stats(self) -> dict:
-        """Busy time, calls, tokens, weight installs, compilations, slot occupancy (and its
-        counts: rows computed by decode steps, rows that produced a token), pid."""
+        """Busy time, calls, tokens, weight installs, compilations (and those before serving),
+        slot occupancy (and its counts: rows computed by decode steps, rows that produced a
+        token), pid."""
         return {
             **self.clock.snapshot(),
             "updates": len(self.sync_times),
             "install_s": sum(t["install_s"] for t in self.sync_times),
             "sync_s": sum(t["total_s"] for t in self.sync_times),
             "traces": self.traces,
+            "warm_traces": self.warm_traces,
             "slot_occupancy": self.useful_steps / self.slot_steps if self.slot_steps else 0.0,
             "slot_steps": self.slot_steps,
             "useful_steps": self.useful_steps,
@@ -522,30 +538,36 @@ class JaxEngine:
         consts = tuple(arg(a.shape, a.dtype, self.rows) for a in empty)
         return cache, i32, i32, i32, flag, consts
 
-    def lower_decode(self, slots: int, cache_len: int) -> jax.stages.Lowered:
+    def lower_decode(
+        self, slots: int, cache_len: int, truncate: bool = False
+    ) -> jax.stages.Lowered:
         """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
         allocated or run (compile-time benchmarks, warm)."""
         state = self._abstract(slots, cache_len)
-        return self._decode.lower(self.params, state, np.int32(1), False)  # as _dispatch calls it
+        return self._decode.lower(self.params, state, np.int32(1), truncate)  # as _dispatch
 
-    def lower_prefill(self, rows: int, prompt_len: int) -> jax.stages.Lowered:
+    def lower_prefill(
+        self, rows: int, prompt_len: int, truncate: bool = False
+    ) -> jax.stages.Lowered:
         """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run (warm)."""
         _, lengths, *_, consts = self._abstract(rows, prompt_len)
         tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
-        return self._prefill.lower(self.params, tokens, lengths, consts, False)
+        return self._prefill.lower(self.params, tokens, lengths, consts, truncate)
 
-    def warm(self, prompt_len: int, max_new_tokens: int) -> int:
+    def warm(self, prompt_len: int, max_new_tokens: int, *, truncate: bool = False) -> int:
         """Compiles, before serving, what requests of at most prompt_len prompt tokens and
         max_new_tokens new ones use on fixed slots (an accelerator's, or batch-invariant): per
         prompt bucket and admission size a prefill and an insert, per cache length the
-        scheduler can pick a decode chunk (top-k / top-p off) and the relayouts between them,
-        so that nothing compiles while serving. With ragged attention the cache is held at the
+        scheduler can pick a decode chunk and the relayouts between them, so that nothing
+        compiles while serving; with `truncate` (requests with top-k / top-p) the prefills and
+        decode chunks that truncate too. With ragged attention the cache is held at the
         longest length from then on (a step costs the same): one length. Call it before the
-        first generate. Returns the programs traced: 0 where slots follow demand (a CPU's; too
-        many shapes to warm, they compile as they come)."""
+        first generate (or pass JaxEngine(warm=Warm(..))). Returns the programs traced: 0 where
+        slots follow demand (a CPU's; too many shapes to warm, they compile as they come)."""
         if not self.fixed_slots:
             return 0
         before, C = self.traces, self.max_batch
+        modes = (False, True) if truncate else (False,)
         top_T = length_bucket(prompt_len, PROMPT_BUCKETS)
         Ts = sorted({T for T in PROMPT_BUCKETS if T < top_T} | {top_T})
         longest = length_bucket(max(top_T, prompt_len + max_new_tokens - 1), self.cache_buckets)
@@ -559,16 +581,20 @@ class JaxEngine:
         i32 = jax.ShapeDtypeStruct((C,), jnp.int32, sharding=self.rows)
         for S in Ss:
             state = self._abstract(C, S)
-            self.lower_decode(C, S).compile()
+            for t in modes:
+                self.lower_decode(C, S, t).compile()
             for other in Ss:
                 if other != S:
                     old = self._abstract(C, other)
                     self._relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
             for T in (T for T in Ts if T <= S):  # a prefill grows the cache to its bucket
                 for b in sorted(sizes):
+                    for t in modes[1:]:
+                        self.lower_prefill(b, T, t).compile()
                     tok, _, done, cache = self.lower_prefill(b, T).compile().out_info
                     _, lengths, *_, consts = self._abstract(b, T)
                     self._insert.lower(state, lengths, tok, lengths, done, cache, consts).compile()
+        self.warm_traces += self.traces - before
         return self.traces - before
 
     # -- generation -----------------------------------------------------------------------

@@ -202,6 +202,7 @@ class ProcessEngine:
         max_restarts: int = 0,
         cache_len: int | None = None,
         hang_s: float | None = None,
+        warm=None,
     ):
         if model is not None:
             config, params = model.config, Weights.of(model).flat()
@@ -228,6 +229,7 @@ class ProcessEngine:
             deadline_s=deadline_s,
             update_mode=update_mode,
             cache_len=cache_len,
+            warm=warm,  # a replacement child warms too
         )
         self._xla_flags = xla_flags
         self._newest: tuple[int, dict | None] = (version, params)  # what a replacement serves
