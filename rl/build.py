@@ -167,21 +167,24 @@ def row_length(cfg: C.RunConfig, task, tokenizer, problems) -> int:
     (prompt + turns x generation + an observation between turns)."""
     if cfg.learner.pack:
         return cfg.learner.pack_length
+    return bucket(_last_turn_prompt(cfg, task, tokenizer, problems) + cfg.rollout.max_new_tokens)
+
+
+def _last_turn_prompt(cfg: C.RunConfig, task, tokenizer, problems) -> int:
+    """The longest prompt a turn can have: the first prompt (of the first 64 problems, with a
+    margin), then each earlier turn's generation and an observation after it."""
     prompts = [len(tokenizer.encode(p.prompt)) for p in problems[:64]]
     turns = getattr(task, "max_turns", 1)
-    return bucket(max(prompts) + 8 + turns * cfg.rollout.max_new_tokens + (turns - 1) * 32)
+    return max(prompts) + 8 + (turns - 1) * (cfg.rollout.max_new_tokens + 32)
 
 
 def warm_spec(cfg: C.RunConfig, task, tokenizer, problems):
     """What the JAX sampler compiles before serving (rollout.engine jax): requests of the
-    longest prompt a turn can have (the first prompt, then the turns before it with their
-    observations, as in row_length) and rollout.max_new_tokens new tokens."""
+    longest prompt a turn can have and rollout.max_new_tokens new tokens."""
     from rl.rollout.jax_engine import Warm
 
     r = cfg.rollout
-    prompts = [len(tokenizer.encode(p.prompt)) for p in problems[:64]]
-    turns = getattr(task, "max_turns", 1)
-    prompt = max(prompts) + 8 + (turns - 1) * (r.max_new_tokens + 32)
+    prompt = _last_turn_prompt(cfg, task, tokenizer, problems)
     return Warm(prompt, r.max_new_tokens, truncate=r.top_k > 0 or r.top_p < 1.0)
 
 

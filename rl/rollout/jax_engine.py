@@ -589,9 +589,8 @@ class JaxEngine:
                     self._relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
             for T in (T for T in Ts if T <= S):  # a prefill grows the cache to its bucket
                 for b in sorted(sizes):
-                    for t in modes[1:]:
-                        self.lower_prefill(b, T, t).compile()
-                    tok, _, done, cache = self.lower_prefill(b, T).compile().out_info
+                    for t in modes:  # (outputs of the same shapes either way)
+                        tok, _, done, cache = self.lower_prefill(b, T, t).compile().out_info
                     _, lengths, *_, consts = self._abstract(b, T)
                     self._insert.lower(state, lengths, tok, lengths, done, cache, consts).compile()
         self.warm_traces += self.traces - before
