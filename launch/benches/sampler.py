@@ -69,10 +69,13 @@ def bench_sampler(args) -> dict:
         raise ValueError(f"--new-tokens={N} must be >= 2 (decode time = full - prefill-only)")
     print(
         f"sampler: {args.preset} {cfg.dtype} attention={attention} batch={B} prompt={P} new={N} "
-        f"decode attention: {args.decode_attention}"
+        f"decode attention: {args.decode_attention}, sample kernel: {args.sample_kernel}"
     )
     model = create_model(cfg, make_mesh(devices=jax.devices()[:1]), seed=0)
-    engine = je.JaxEngine(model, max_batch=B, decode_attention=args.decode_attention)
+    sample_kernel = {"auto": None, "on": True, "off": False}[args.sample_kernel]
+    engine = je.JaxEngine(
+        model, max_batch=B, decode_attention=args.decode_attention, sample_kernel=sample_kernel
+    )
     del model
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, P).astype(np.int32) for _ in range(B)]
@@ -297,6 +300,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="programs per row and kv head in the Pallas decode attention (0: its default)",
+    )
+    p.add_argument(
+        "--sample-kernel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="roofline: sampling as Pallas kernels (auto: with the Pallas decode attention)",
     )
     p.add_argument(
         "--profile", action="store_true", help="roofline: GPU kernel time per decode step by kind"

@@ -60,6 +60,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from models.decode_attention import supported
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
+from rl.rollout import sample_kernel
 from rl.rollout.base import (
     UPDATE_MODES,
     Generation,
@@ -212,6 +213,7 @@ class JaxEngine:
         cache_len: int | None = None,
         early_exit: bool | None = None,
         decode_attention: str = "auto",
+        sample_kernel: bool | None = None,
         fixed_slots: bool | None = None,
         warm: Warm | None = None,
     ):
@@ -268,6 +270,10 @@ class JaxEngine:
                 "several: 'auto' or 'xla'"
             )
         self.decode_attention = decode_attention
+        # Sampling as two Pallas kernels (rl.rollout.sample_kernel) where no row truncates; by
+        # default with the Pallas decode attention (interpreted off a GPU, for tests).
+        pallas = decode_attention == "pallas"
+        self.sample_kernel = pallas if sample_kernel is None else sample_kernel
         c = model.config
         # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
         # costs no step time: it only grows (no relayouts back and forth, no programs per length).
@@ -500,7 +506,11 @@ class JaxEngine:
             cache, tok, pos, n, done, toks, lps = c
             logits, cache = model.decode(tok, pos, cache, layers, self.decode_attention)
             keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
-            new, lp = sample(process_logits(logits, temp, top_k, top_p, truncate), keys_i, temp)
+            if self.sample_kernel and not truncate:
+                interpret = self.devices[0].platform != "gpu"
+                new, lp = sample_kernel.sample(logits, keys_i, temp, interpret=interpret)
+            else:
+                new, lp = sample(process_logits(logits, temp, top_k, top_p, truncate), keys_i, temp)
             active = ~done
             toks = toks.at[:, i].set(jnp.where(active, new, -1))
             lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
