@@ -65,7 +65,10 @@ def test_kernel_draws_at_the_softmax_probabilities():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_engine_generates_the_same_with_the_kernels(temperature):
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_engine_generates_the_same_with_the_kernels(temperature, attention):
+    """The sampling kernels alone, and with the Pallas decode attention (the default pair on
+    one GPU): the XLA engine's tokens, its log-probs within float32 rounding."""
     model = randomize(create_model(tiny(), seed=0), seed=0)
     rng = np.random.RandomState(0)
     reqs = [
@@ -77,7 +80,18 @@ def test_engine_generates_the_same_with_the_kernels(temperature):
         for i in range(5)
     ]
     want = JaxEngine(model, chunk=4, sample_kernel=False).generate(reqs)
-    got = JaxEngine(model, chunk=4, sample_kernel=True).generate(reqs)
+    engine = JaxEngine(model, chunk=4, decode_attention=attention, sample_kernel=True)
+    got = engine.generate(reqs)
+    tol = 1e-6 if attention == "xla" else 1e-5  # the kernel sums attention in another order
     for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
-        assert np.abs(np.asarray(g.logprobs) - np.asarray(w.logprobs)).max() < 1e-6
+        assert np.abs(np.asarray(g.logprobs) - np.asarray(w.logprobs)).max() < tol
+
+
+def test_engine_takes_the_kernels_on_one_device_only():
+    model = create_model(tiny())
+    assert not JaxEngine(model).sample_kernel  # a CPU: "auto" keeps XLA's sampling
+    assert JaxEngine(model, decode_attention="pallas").sample_kernel
+    assert not JaxEngine(model, decode_attention="pallas", sample_kernel=False).sample_kernel
+    with pytest.raises(ValueError, match="sample_kernel=True runs on one device, got 2"):
+        JaxEngine(model, devices=jax.devices()[:2], sample_kernel=True)

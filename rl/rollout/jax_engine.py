@@ -274,6 +274,11 @@ class JaxEngine:
         # default with the Pallas decode attention (interpreted off a GPU, for tests).
         pallas = decode_attention == "pallas"
         self.sample_kernel = pallas if sample_kernel is None else sample_kernel
+        if self.sample_kernel and nd > 1:
+            raise ValueError(
+                f"JaxEngine: sample_kernel=True runs on one device, got {nd}; valid with "
+                "several: None or False"
+            )
         c = model.config
         # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
         # costs no step time: it only grows (no relayouts back and forth, no programs per length).
