@@ -56,6 +56,7 @@ def bench_sampler(args) -> dict:
     figures: tokens/s end to end and for decoding alone, the decode step against its roofline."""
     from models import create_model, make_mesh
     from rl.rollout import jax_engine as je
+    from rl.rollout import sample_kernel
     from rl.rollout.base import GenerationRequest, SamplingParams
     from rl.rollout.sampling import process_logits, sample
 
@@ -72,9 +73,11 @@ def bench_sampler(args) -> dict:
         f"decode attention: {args.decode_attention}, sample kernel: {args.sample_kernel}"
     )
     model = create_model(cfg, make_mesh(devices=jax.devices()[:1]), seed=0)
-    sample_kernel = {"auto": None, "on": True, "off": False}[args.sample_kernel]
     engine = je.JaxEngine(
-        model, max_batch=B, decode_attention=args.decode_attention, sample_kernel=sample_kernel
+        model,
+        max_batch=B,
+        decode_attention=args.decode_attention,
+        sample_kernel={"auto": None, "on": True, "off": False}[args.sample_kernel],
     )
     del model
     rng = np.random.default_rng(args.seed)
@@ -130,7 +133,13 @@ def bench_sampler(args) -> dict:
     pargs = (logits, jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B), keys)
     timed(proc, *pargs)
     proc_s = statistics.median(timed(proc, *pargs)[0] for _ in range(10))
-    print(f"sampling alone [{B}, {cfg.vocab_size}]: {proc_s * 1e3:.3f} ms per step")
+    line = f"sampling alone [{B}, {cfg.vocab_size}]: XLA {proc_s * 1e3:.3f} ms per step"
+    if engine.sample_kernel and jax.devices()[0].platform == "gpu":  # what the engine runs
+        kern = jax.jit(sample_kernel.sample)
+        timed(kern, logits, keys, jnp.ones(B))
+        kern_s = statistics.median(timed(kern, logits, keys, jnp.ones(B))[0] for _ in range(10))
+        line += f"; the Pallas kernels (the engine's) {kern_s * 1e3:.3f} ms"
+    print(line)
     if args.profile:  # one generate of N tokens; kernel time per generated token (decode step)
         kernel_profile(lambda: run(N, 2000), lambda: jnp.zeros(()), steps=1, per=N, unit="token")
     mem = peak_memory_gib()
