@@ -17,7 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # a jax without Pallas's Triton backend: XLA's decode attention only
+    plgpu = None
 
 BLOCK_S = (64, 32, 16)  # cache positions per inner step: the largest that divides the cache
 HEADS_PAD = 16  # query heads of a kv head, padded to Triton's smallest dot tile
@@ -28,13 +32,19 @@ SPLITS = 1
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
+def available() -> bool:
+    """Whether this jax has Pallas's Triton backend, which the kernel is written in."""
+    return plgpu is not None
+
+
 def supported(dtype, num_heads: int, num_kv_heads: int, head_dim: int, cache_len: int) -> bool:
     """Whether the kernel takes these shapes: a floating compute dtype (float32 stays float32),
     at most HEADS_PAD query heads per kv head, a power-of-two head dim and a cache of whole
     blocks."""
     H = head_dim
     return (
-        jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
+        available()
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
         and num_heads // num_kv_heads <= HEADS_PAD
         and H >= 32  # rotary in the kernel takes the head dim in halves of 16 or more
         and H & (H - 1) == 0

@@ -95,3 +95,18 @@ def test_engine_takes_the_kernels_on_one_device_only():
     assert not JaxEngine(model, decode_attention="pallas", sample_kernel=False).sample_kernel
     with pytest.raises(ValueError, match="sample_kernel=True runs on one device, got 2"):
         JaxEngine(model, devices=jax.devices()[:2], sample_kernel=True)
+
+
+def test_a_jax_without_pallas_triton_keeps_the_xla_paths(monkeypatch):
+    """Without Pallas's Triton backend (a jax that dropped it) nothing imports it: the kernels
+    report unsupported, 'auto' keeps XLA's paths and asking for them names what is missing."""
+    from models import decode_attention as da
+
+    monkeypatch.setattr(da, "plgpu", None)
+    assert not da.available() and not da.supported(jnp.bfloat16, 14, 2, 64, 384)
+    model = create_model(tiny())
+    engine = JaxEngine(model)
+    assert engine.decode_attention == "xla" and not engine.sample_kernel
+    for kwargs in (dict(decode_attention="pallas"), dict(sample_kernel=True)):
+        with pytest.raises(ValueError, match="need Pallas's Triton backend, which jax"):
+            JaxEngine(model, **kwargs)

@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.decode_attention import supported
+from models.decode_attention import available, supported
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout import sample_kernel
@@ -262,8 +262,14 @@ class JaxEngine:
         accelerator = self.devices[0].platform != "cpu"
         # The Pallas kernel runs on one GPU (a custom call the row-sharding does not split).
         if decode_attention == "auto":
-            gpu = self.devices[0].platform == "gpu" and nd == 1
+            gpu = self.devices[0].platform == "gpu" and nd == 1 and available()
             decode_attention = "pallas" if gpu else "xla"
+        if (decode_attention == "pallas" or sample_kernel) and not available():
+            raise ValueError(
+                f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel="
+                f"{sample_kernel} need Pallas's Triton backend, which jax {jax.__version__} "
+                "lacks; valid: decode_attention 'auto' or 'xla', sample_kernel None or False"
+            )
         if decode_attention == "pallas" and nd > 1:
             raise ValueError(
                 f"JaxEngine: decode_attention 'pallas' runs on one device, got {nd}; valid with "
