@@ -1,7 +1,7 @@
 """A decode step's sampling (temperature, then one inverse-CDF draw per row) as two Pallas
 (Triton) kernels, for one GPU's decode chunk when no row truncates.
 
-rl.rollout.sampling.sample as XLA runs it is two passes over the float32 logits plus ~25 small
+rl.rollout.sampling.sample as XLA runs it is two passes over the float32 logits plus many small
 kernels (block cumulative sums, selects, gathers); here one kernel reads each vocabulary block
 once (its max, first argmax and sum of exp), and a second, one program per row, finds the draw
 from the block statistics and one re-read block. The draw is the same: the first token whose
