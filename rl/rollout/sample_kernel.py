@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from rl.rollout.sampling import scale_of, uniforms
+
 try:
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # a jax without Pallas's Triton backend: JaxEngine keeps XLA's sampling
@@ -80,8 +82,8 @@ def sample(logits_BV, keys_B2, temperature_B, *, interpret: bool = False):
     truncate=False), keys, T) draws them: the same uniform per row, the same inverse CDF."""
     B, V = logits_BV.shape
     x = logits_BV.astype(jnp.float32)
-    t = jnp.where(temperature_B > 0, temperature_B, 1.0).astype(jnp.float32)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
+    t = scale_of(temperature_B).astype(jnp.float32)  # the XLA sampler's scale and uniform
+    u = uniforms(keys_B2)
     NB = -(-V // BLOCK)
     NBP = max(16, 1 << (NB - 1).bit_length())  # the block statistics as a power-of-two vector
     whole = pl.no_block_spec

@@ -21,13 +21,22 @@ def process_logits(
     scaled logits stay a fusion the sampler's reductions read; None decides on the device
     (a conditional, whose result is then written out whole).
     """
-    t = jnp.where(temperature_B > 0, temperature_B, 1.0)
-    x = logits_BV.astype(jnp.float32) / t[:, None]
+    x = logits_BV.astype(jnp.float32) / scale_of(temperature_B)[:, None]
     if truncate is not None:
         return _truncate(x, top_k_B, top_p_B) if truncate else x
     # The vocabulary sort only runs when some row truncates (top-k or top-p on).
     truncate = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
     return jax.lax.cond(truncate, _truncate, lambda x, *_: x, x, top_k_B, top_p_B)
+
+
+def scale_of(temperature_B: jax.Array) -> jax.Array:
+    """What a row's logits are divided by: its temperature, 1 for greedy rows (T = 0)."""
+    return jnp.where(temperature_B > 0, temperature_B, 1.0)
+
+
+def uniforms(keys_B2: jax.Array) -> jax.Array:
+    """Each row's one uniform draw in [0, 1) from its key (the inverse CDF's target)."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
 
 
 def _truncate(x: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
@@ -72,8 +81,7 @@ def sample(x_BV, keys_B2, temperature_B):
     bsum = jnp.sum(jnp.exp(x3 - m[:, :, None]), axis=-1)  # [B, nb]; masked entries add 0
     bcdf = jnp.cumsum(bsum, axis=-1)
     total = bcdf[:, -1]
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B2)
-    target = u * total
+    target = uniforms(keys_B2) * total
 
     def first_above(cdf, mass, t):
         """Index of the first entry whose cumulative mass exceeds t; rounding may put t at the
