@@ -29,6 +29,9 @@ WARPS, STAGES = 2, 3  # Triton launch parameters
 # Programs per (row, kv head), each over its share of the row's valid blocks (split-KV), their
 # partial softmaxes combined after the kernel: more programs in flight for short rows.
 SPLITS = 1
+# Cached blocks whose loads are issued before the q loads and rotary, so that their latency
+# overlaps that work (one program waits on its first block otherwise).
+PEEL = 1
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -75,6 +78,7 @@ def _kernel(
     k0,
     v0,
     splits,
+    k_pos,
 ):
     """Program (b, h[, p]): query rows q0 + h G .. of q_ref, key row k0 + h, value row v0 + h;
     with splits > 1, part p of the row's valid blocks, its unnormalized output and softmax
@@ -82,12 +86,20 @@ def _kernel(
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2) if splits > 1 else 0
     H = q_ref.shape[-1]
+    pos = pos_ref[b]
     # With rotary here the head dim is taken in halves (rotate-half pairs d with d + H/2).
     parts = (pl.ds(0, H),) if cos_ref is None else (pl.ds(0, H // 2), pl.ds(H // 2, H // 2))
+
+    def load_block(start):  # keys [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2)
+        cols = pl.ds(start, block)
+        ks = [k_ref[b, h, d, cols] if k_pos == 3 else k_ref[b, h, cols, d] for d in parts]
+        return ks, v_ref[b, h, cols, :]
+
+    peel = min(PEEL, v_ref.shape[2] // block) if splits == 1 else 0
+    early = [load_block(j * block) for j in range(peel)]
     dtype, f32 = q_ref.dtype, jnp.float32
     scale = 1.0 / float(np.sqrt(H))
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32
-    pos = pos_ref[b]
     # The group's G query heads, padded to HEADS_PAD rows by the masked load (rows past G: 0).
     rows = pl.ds(q0 + h * G, HEADS_PAD)
     in_group = (jnp.arange(HEADS_PAD) < G)[:, None]
@@ -116,22 +128,29 @@ def _kernel(
         total = jnp.where(first, total, 0.0)
         o = jnp.where(first, o, 0.0)
 
-    def body(j, carry):
+    def step(start, kv, carry):
         o, m, total = carry
-        start = pl.multiple_of(j * block, block)
-        cols = pl.ds(start, block)
-        s = sum(plgpu.dot(x, k_ref[b, h, d, cols], precision=exact) for x, d in zip(q, parts))
+        ks, v = kv
+        t = k_pos == 2  # keys [block, H] against q [HEADS_PAD, H]
+        s = sum(plgpu.dot(x, k, trans_b=t, precision=exact) for x, k in zip(q, ks))
         s = s * scale  # float32 [HEADS_PAD, block]
         valid = start + jnp.arange(block) < pos  # cache slots before the current token
         s = jnp.where(valid[None, :], s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         c = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
-        v = v_ref[b, h, cols, :]  # [block, H]
         o = c[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=exact)
         return o, m_new, c * total + jnp.sum(p, axis=1)
 
-    o, m, total = jax.lax.fori_loop(lo, hi, body, (o, m, total))
+    # A peeled block past the row's valid slots is masked whole: it changes nothing.
+    for j, kv in enumerate(early):
+        o, m, total = step(j * block, kv, (o, m, total))
+
+    def body(j, carry):
+        start = pl.multiple_of(j * block, block)
+        return step(start, load_block(start), carry)
+
+    o, m, total = jax.lax.fori_loop(jnp.maximum(lo, peel), hi, body, (o, m, total))
     if splits > 1:
         o_ref[b, h, part] = o
         m_ref, l_ref = stats
@@ -145,17 +164,24 @@ def _kernel(
     @pl.when(part == 0)
     def _():
         for x, d in zip(kn, parts):
-            k_out[b, h, d, pl.ds(pos, 1)] = x.astype(k_out.dtype)[:, None]
+            if k_pos == 3:
+                k_out[b, h, d, pl.ds(pos, 1)] = x.astype(k_out.dtype)[:, None]
+            else:
+                k_out[b, h, pl.ds(pos, 1), d] = x.astype(k_out.dtype)[None, :]
         v_out[b, h, pl.ds(pos, 1), :] = vn.astype(v_out.dtype)[None, :]
 
 
-def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, interpret):
+def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, k_pos, interpret):
+    if k_pos not in (2, 3):
+        raise ValueError(f"decode_attention: k_pos={k_pos!r}; valid: 2, 3")
     B, H = q.shape[0], q.shape[-1]
-    K, S = k_cache.shape[1], k_cache.shape[3]
+    K, S = k_cache.shape[1], v_cache.shape[2]
     q0, k0, v0 = offsets
     P = max(1, min(SPLITS, S // _block(S)))
     G = N // K
-    kernel = functools.partial(_kernel, block=_block(S), G=G, q0=q0, k0=k0, v0=v0, splits=P)
+    kernel = functools.partial(
+        _kernel, block=_block(S), G=G, q0=q0, k0=k0, v0=v0, splits=P, k_pos=k_pos
+    )
     whole = pl.no_block_spec
     cos, sin = rope if rope is not None else (None, None)
     n_in = 4 if rope is None else 6  # operands before the caches (None is no operand)
@@ -192,18 +218,21 @@ def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, interpret)
     return o, k_cache, v_cache
 
 
-def decode_attention(q_BNH, k_BKH, v_BKH, k_cache, v_cache, positions_B, *, interpret=False):
+def decode_attention(
+    q_BNH, k_BKH, v_BKH, k_cache, v_cache, positions_B, *, k_pos: int = 3, interpret=False
+):
     """(o [B, N, H], k_cache, v_cache): row b's query heads attend to its cache slots
     [0, positions[b]) and the current token (k_BKH, v_BKH), which is written to slot
-    positions[b]. k_cache [B, K, H, S], v_cache [B, K, S, H] (models.transformer.KVCache);
-    float32 logits and softmax, as the XLA path."""
+    positions[b]. k_cache [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2), v_cache
+    [B, K, S, H] (models.transformer.KVCache); float32 logits and softmax, as the XLA path."""
     N = q_BNH.shape[1]
     kn, vn = k_BKH.astype(k_cache.dtype), v_BKH.astype(v_cache.dtype)
-    return _call(q_BNH, kn, vn, None, k_cache, v_cache, positions_B, (0, 0, 0), N, interpret)
+    offsets = (0, 0, 0)
+    return _call(q_BNH, kn, vn, None, k_cache, v_cache, positions_B, offsets, N, k_pos, interpret)
 
 
 def decode_attention_qkv(
-    qkv_BXH, rope, k_cache, v_cache, positions_B, *, num_heads: int, interpret=False
+    qkv_BXH, rope, k_cache, v_cache, positions_B, *, num_heads: int, k_pos: int = 3, interpret=False
 ):
     """decode_attention of the fused projection's raw output qkv [B, N + 2K, H] (q heads, then
     k, then v, before rotary), with rotary applied in the kernel: rope = (cos, sin) [B, H] of
@@ -219,5 +248,6 @@ def decode_attention_qkv(
         positions_B,
         (0, N, N + K),
         N,
+        k_pos,
         interpret,
     )

@@ -273,18 +273,21 @@ class Decoder(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values, one array per layer: k[i] [B, num_kv_heads, head_dim, S] and v[i]
-    [B, num_kv_heads, S, head_dim]; slot s = position s.
+    """Keys and values, one array per layer: k[i] [B, num_kv_heads, head_dim, S] (k_pos 3) or
+    [B, num_kv_heads, S, head_dim] (k_pos 2) and v[i] [B, num_kv_heads, S, head_dim]; slot s =
+    position s.
 
-    Keys hold the positions minor and values the head dim, so a decode step's q.k and p.v are
-    plain batched matmuls over the layer's own buffer (on a CPU, a cache laid out otherwise is
-    transposed and copied whole in every step).
+    With the positions minor in the keys, a decode step's q.k and p.v are plain batched matmuls
+    over the layer's own buffer (on a CPU, a cache laid out otherwise is transposed and copied
+    whole in every step); the Pallas decode attention reads keys with the head dim minor, where
+    a block of slots is one contiguous run.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    k_pos: int = dataclasses.field(default=3, metadata=dict(static=True))
 
-    K_POS, V_POS = 3, 2  # the position axis of each layer's k and v
+    V_POS = 2  # the position axis of each layer's v
 
     @property
     def max_len(self) -> int:
@@ -293,17 +296,23 @@ class KVCache:
 
     def map(self, f, *others: KVCache) -> KVCache:
         """f(array, *other arrays, position axis) over every layer's k and v."""
-        k = tuple(f(*a, self.K_POS) for a in zip(self.k, *(o.k for o in others)))
+        k = tuple(f(*a, self.k_pos) for a in zip(self.k, *(o.k for o in others)))
         v = tuple(f(*a, self.V_POS) for a in zip(self.v, *(o.v for o in others)))
-        return KVCache(k=k, v=v)
+        return KVCache(k=k, v=v, k_pos=self.k_pos)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An all-zero KV cache for `batch` rows of up to `max_len` positions."""
+def init_cache(
+    config: ModelConfig, batch: int, max_len: int, dtype=None, k_pos: int = 3
+) -> KVCache:
+    """An all-zero KV cache for `batch` rows of up to `max_len` positions, keys with their
+    positions on axis k_pos (3, or 2 for the Pallas decode attention)."""
+    if k_pos not in (2, 3):
+        raise ValueError(f"init_cache: k_pos={k_pos!r}; valid: 2, 3")
     L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     dtype = dtype or config.dtype
     zeros = lambda *shape: tuple(jnp.zeros(shape, dtype) for _ in range(L))
-    return KVCache(k=zeros(batch, K, H, max_len), v=zeros(batch, K, max_len, H))
+    k_shape = (batch, K, H, max_len) if k_pos == 3 else (batch, K, max_len, H)
+    return KVCache(k=zeros(*k_shape), v=zeros(batch, K, max_len, H), k_pos=k_pos)
 
 
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
@@ -351,15 +360,17 @@ def _write_slot(cache, new_BKH, positions_B, axis: int) -> jax.Array:
     )
 
 
-def _decode_attention(q_BNH, k_BKHS, v_BKSH, valid_BS) -> jax.Array:
+def _decode_attention(q_BNH, k_cache, v_BKSH, valid_BS, k_pos: int) -> jax.Array:
     """One query row per sequence over its cache (GQA): o [B, N, H], as
-    jax.nn.dot_product_attention's xla path computes it (float32 logits and softmax)."""
+    jax.nn.dot_product_attention's xla path computes it (float32 logits and softmax). k_cache
+    [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2)."""
     B, N, H = q_BNH.shape
-    K = k_BKHS.shape[1]
+    K = k_cache.shape[1]
     q = q_BNH.reshape(B, K, N // K, H)
-    k_BKHS, v_BKSH = k_BKHS.astype(q.dtype), v_BKSH.astype(q.dtype)
+    k_cache, v_BKSH = k_cache.astype(q.dtype), v_BKSH.astype(q.dtype)
     f32 = jnp.promote_types(q.dtype, jnp.float32)
-    logits = jnp.einsum("bkgh,bkhs->bkgs", q, k_BKHS, preferred_element_type=f32)
+    spec = "bkgh,bkhs->bkgs" if k_pos == 3 else "bkgh,bksh->bkgs"
+    logits = jnp.einsum(spec, q, k_cache, preferred_element_type=f32)
     logits = logits * jnp.array(1.0 / np.sqrt(H), f32)
     big_neg = -0.7 * jnp.finfo(f32).max
     logits = jnp.where(valid_BS[:, None, None, :], logits, big_neg)
@@ -493,9 +504,11 @@ class Transformer(nnx.Module):
                 kv.append(kv_i)
             k_LBTKH, v_LBTKH = (jnp.stack(a) for a in zip(*kv))
         h_BTD = self.model.norm(x_BTD)
+        k_perm = (0, 1, 3, 4, 2) if cache.k_pos == 3 else (0, 1, 3, 2, 4)
         new = KVCache(
-            k=tuple(jnp.transpose(k_LBTKH, (0, 1, 3, 4, 2))),  # [B, K, H, T] per layer
+            k=tuple(jnp.transpose(k_LBTKH, k_perm)),  # [B, K, H, T] or [B, K, T, H] per layer
             v=tuple(jnp.transpose(v_LBTKH, (0, 1, 3, 2, 4))),  # [B, K, T, H]
+            k_pos=cache.k_pos,
         )
         cache = cache.map(lambda c, x, _: jax.lax.dynamic_update_slice(c, x, (0,) * c.ndim), new)
         if last_only:
@@ -572,6 +585,7 @@ class Transformer(nnx.Module):
                         vs[i],
                         positions,
                         num_heads=N,
+                        k_pos=cache.k_pos,
                         interpret=interpret,
                     )
                     return o[:, None]
@@ -582,15 +596,22 @@ class Transformer(nnx.Module):
             def attend(q, k, v, i=i):
                 if kernel:
                     o, ks[i], vs[i] = decode_attention.decode_attention(
-                        q[:, 0], k[:, 0], v[:, 0], ks[i], vs[i], positions, interpret=interpret
+                        q[:, 0],
+                        k[:, 0],
+                        v[:, 0],
+                        ks[i],
+                        vs[i],
+                        positions,
+                        k_pos=cache.k_pos,
+                        interpret=interpret,
                     )
                     return o[:, None], None
                 # Only the new slots are written, in place in the layer's own buffers.
-                ks[i] = _write_slot(ks[i], k[:, 0], positions, KVCache.K_POS)
+                ks[i] = _write_slot(ks[i], k[:, 0], positions, cache.k_pos)
                 vs[i] = _write_slot(vs[i], v[:, 0], positions, KVCache.V_POS)
-                o = _decode_attention(q[:, 0], ks[i], vs[i], valid_BS)
+                o = _decode_attention(q[:, 0], ks[i], vs[i], valid_BS, cache.k_pos)
                 return o[:, None], None
 
             x_B1D, _ = layer(x_B1D, rope, attend, fused)
         logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
-        return logits_BV, KVCache(k=tuple(ks), v=tuple(vs))
+        return logits_BV, KVCache(k=tuple(ks), v=tuple(vs), k_pos=cache.k_pos)

@@ -1,6 +1,7 @@
 """The Pallas decode-attention kernel (interpreted on a CPU) against the XLA path: outputs in
 float32 within 1e-6, the current token's key and value written to its slot and nothing else;
-with the valid blocks split over several programs (SPLITS) as well."""
+with the valid blocks split over several programs (SPLITS), with 0 to 2 blocks loaded ahead
+(PEEL), and for both key layouts (KVCache.k_pos)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +15,17 @@ from models.transformer import _apply_rotary, _decode_attention, _write_slot, ro
 from rl.rollout.jax_engine import JaxEngine
 
 
-def _case(B, K, G, H, S, dtype, seed=0):
+def _case(B, K, G, H, S, dtype, seed=0, k_pos=3):
     rng = np.random.default_rng(seed)
     arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-    return arr(B, K * G, H), arr(B, K, H), arr(B, K, H), arr(B, K, H, S), arr(B, K, S, H)
+    kc = arr(B, K, H, S) if k_pos == 3 else arr(B, K, S, H)
+    return arr(B, K * G, H), arr(B, K, H), arr(B, K, H), kc, arr(B, K, S, H)
 
 
-def _xla(q, kn, vn, kc, vc, pos):
-    k2, v2 = _write_slot(kc, kn, pos, 3), _write_slot(vc, vn, pos, 2)
-    valid = jnp.arange(kc.shape[3])[None, :] <= pos[:, None]
-    return _decode_attention(q, k2, v2, valid), k2, v2
+def _xla(q, kn, vn, kc, vc, pos, k_pos=3):
+    k2, v2 = _write_slot(kc, kn, pos, k_pos), _write_slot(vc, vn, pos, 2)
+    valid = jnp.arange(vc.shape[2])[None, :] <= pos[:, None]
+    return _decode_attention(q, k2, v2, valid, k_pos), k2, v2
 
 
 @pytest.mark.parametrize(
@@ -34,13 +36,19 @@ def _xla(q, kn, vn, kc, vc, pos):
         (4, 16, 32, [3, 31]),  # a full group of 16 query heads
     ],
 )
-@pytest.mark.parametrize("splits", [1, 2, 3])
-def test_kernel_matches_the_xla_path_in_float32(K, G, S, positions, splits, monkeypatch):
+@pytest.mark.parametrize("splits, peel", [(1, 0), (1, 1), (1, 2), (2, 1), (3, 1)])
+@pytest.mark.parametrize("k_pos", [3, 2])
+def test_kernel_matches_the_xla_path_in_float32(
+    K, G, S, positions, splits, peel, k_pos, monkeypatch
+):
+    """Against the XLA path in the same key layout (a transposed operand sums in another
+    order in the interpreter's dot)."""
     monkeypatch.setattr(da, "SPLITS", splits)  # 3 parts of 2 blocks: one part may be empty
+    monkeypatch.setattr(da, "PEEL", peel)  # 2 blocks ahead: past a short row's valid slots
     pos = jnp.asarray(positions, jnp.int32)
-    q, kn, vn, kc, vc = _case(len(positions), K, G, 64, S, jnp.float32)
-    want_o, want_k, want_v = _xla(q, kn, vn, kc, vc, pos)
-    o, k, v = decode_attention(q, kn, vn, kc, vc, pos, interpret=True)
+    q, kn, vn, kc, vc = _case(len(positions), K, G, 64, S, jnp.float32, k_pos=k_pos)
+    want_o, want_k, want_v = _xla(q, kn, vn, kc, vc, pos, k_pos)
+    o, k, v = decode_attention(q, kn, vn, kc, vc, pos, k_pos=k_pos, interpret=True)
     assert o.shape == want_o.shape and o.dtype == jnp.float32
     assert np.abs(np.asarray(o) - np.asarray(want_o)).max() < 1e-6
     assert np.array_equal(np.asarray(k), np.asarray(want_k))
@@ -71,7 +79,8 @@ def test_supported_shapes():
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, monkeypatch):
+@pytest.mark.parametrize("k_pos", [3, 2])
+def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, k_pos, monkeypatch):
     """decode_attention_qkv takes the fused projection's raw [B, N + 2K, H] output and applies
     rotary itself: against _apply_rotary then the XLA path (float32; the kernel's two half-dim
     dots sum in another order than one dot, hence 1e-5 rather than 1e-6)."""
@@ -80,16 +89,18 @@ def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, monkeypatch
     N = K * G
     rng = np.random.default_rng(2)
     qkv = jnp.asarray(rng.normal(size=(B, N + 2 * K, H)), jnp.float32)
-    kc = jnp.asarray(rng.normal(size=(B, K, H, S)), jnp.float32)
+    kc = jnp.asarray(rng.normal(size=(B, K, H, S) if k_pos == 3 else (B, K, S, H)), jnp.float32)
     vc = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
     pos = jnp.asarray([0, 1, 63, 64, 100, 127], jnp.int32)
     config = tiny(head_dim=H, hidden_size=4 * H, rope_theta=10000.0)
     cos, sin = rotary(config, pos[:, None])  # [B, 1, 1, H]
     q, k, v = qkv[:, :N], qkv[:, N : N + K], qkv[:, N + K :]
     q, k = (_apply_rotary(x[:, None], cos, sin)[:, 0] for x in (q, k))
-    want_o, want_k, want_v = _xla(q, k, v, kc, vc, pos)
+    want_o, want_k, want_v = _xla(q, k, v, kc, vc, pos, k_pos)
     rope = (cos.reshape(B, H), sin.reshape(B, H))
-    o, k2, v2 = decode_attention_qkv(qkv, rope, kc, vc, pos, num_heads=N, interpret=True)
+    o, k2, v2 = decode_attention_qkv(
+        qkv, rope, kc, vc, pos, num_heads=N, k_pos=k_pos, interpret=True
+    )
     assert np.abs(np.asarray(o) - np.asarray(want_o)).max() < 1e-5
     assert np.abs(np.asarray(k2) - np.asarray(want_k)).max() < 1e-5
     assert np.array_equal(np.asarray(v2), np.asarray(want_v))
@@ -98,7 +109,9 @@ def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, monkeypatch
 def test_engine_picks_xla_off_a_gpu_and_rejects_bad_choices():
     model = create_model(tiny())
     assert JaxEngine(model).decode_attention == "xla"  # a CPU: "auto" keeps XLA
-    assert JaxEngine(model, decode_attention="pallas").decode_attention == "pallas"
+    assert JaxEngine(model).k_pos == 3  # keys with the positions minor for XLA's matmuls
+    pallas = JaxEngine(model, decode_attention="pallas")
+    assert pallas.decode_attention == "pallas" and pallas.k_pos == 2
     with pytest.raises(ValueError, match="decode_attention 'flash'; valid"):
         JaxEngine(model, decode_attention="flash")
     assert len(jax.devices()) == 4  # tests/conftest.py: four host devices

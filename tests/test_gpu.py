@@ -149,7 +149,8 @@ def test_learner_and_sampler_logprobs_agree(tmp_path):
 def test_pallas_decode_attention_matches_xla():
     """Prefill then decode steps with the compiled Pallas decode kernel against the XLA path:
     float32 logits within 1e-5 (no TF32 in the kernel); bfloat16 as close to the float32
-    reference as XLA's bfloat16 decode; one GPU's engine picks the kernel by default."""
+    reference as XLA's bfloat16 decode; both key layouts (the engine's is k_pos 2); one GPU's
+    engine picks the kernel by default."""
     decode = nnx.jit(lambda m, t, p, c, a: m.decode(t, p, c, attention=a), static_argnames=("a",))
     prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
     rng = np.random.RandomState(0)
@@ -158,8 +159,9 @@ def test_pallas_decode_attention_matches_xla():
     prompts = jnp.asarray(rng.randint(0, SHAPE["vocab_size"], (B, 20)), jnp.int32)
     feed = rng.randint(0, SHAPE["vocab_size"], (steps, B)).astype(np.int32)
 
-    def run(model, attention):
-        _, cache = prefill(model, prompts, lengths, init_cache(model.config, B, S))
+    def run(model, attention, k_pos=3):
+        cache = init_cache(model.config, B, S, k_pos=k_pos)
+        _, cache = prefill(model, prompts, lengths, cache)
         out = []
         for i in range(steps):
             logits, cache = decode(model, jnp.asarray(feed[i]), lengths + i, cache, attention)
@@ -168,12 +170,15 @@ def test_pallas_decode_attention_matches_xla():
 
     ref = _model(dtype="float32")
     want = run(ref, "xla")
-    assert np.abs(run(ref, "pallas") - want).max() < 1e-5
+    for k_pos in (3, 2):
+        assert np.abs(run(ref, "pallas", k_pos) - want).max() < 1e-5, k_pos
     bf16 = _same_params(_model(dtype="bfloat16"), ref)
     err_xla = np.abs(run(bf16, "xla") - want).max()
-    err_pallas = np.abs(run(bf16, "pallas") - want).max()
-    assert err_pallas < max(2 * err_xla, 1e-2), (err_pallas, err_xla)
-    assert JaxEngine(bf16).decode_attention == "pallas"
+    for k_pos in (3, 2):
+        err_pallas = np.abs(run(bf16, "pallas", k_pos) - want).max()
+        assert err_pallas < max(2 * err_xla, 1e-2), (k_pos, err_pallas, err_xla)
+    engine = JaxEngine(bf16)
+    assert engine.decode_attention == "pallas" and engine.k_pos == 2
 
 
 def test_pallas_sampling_matches_xla():

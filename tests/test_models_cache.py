@@ -16,10 +16,12 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("k_pos", [3, 2])
 @pytest.mark.parametrize("attention", ["xla", "pallas"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_prefill_then_decode_matches_full_forward(name, attention):
-    """Also with the Pallas decode kernel (interpreted on a CPU): float32 stays float32."""
+def test_prefill_then_decode_matches_full_forward(name, attention, k_pos):
+    """Also with the Pallas decode kernel (interpreted on a CPU), and with keys laid out
+    [B, K, S, H] (k_pos 2, the kernel's) as well as [B, K, H, S]: float32 stays float32."""
     config = CONFIGS[name]
     model = randomize(create_model(config, seed=1))
     rng = np.random.RandomState(0)
@@ -36,10 +38,11 @@ def test_prefill_then_decode_matches_full_forward(name, attention):
 
     prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
     decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, attention=attention))
-    cache = init_cache(config, B, S)
+    cache = init_cache(config, B, S, k_pos=k_pos)
     logits, cache = prefill(model, jnp.asarray(prompts), jnp.asarray(lengths), cache)
     assert logits.dtype == jnp.float32 and logits.shape == (B, T_prompt, config.vocab_size)
-    logits, k0 = np.asarray(logits), np.asarray(cache.k[0])  # layer 0: [B, K, H, S]
+    logits = np.asarray(logits)
+    k0 = np.moveaxis(np.asarray(cache.k[0]), k_pos, 3)  # layer 0: [B, K, H, S]
     for b, n in enumerate(lengths):
         assert np.abs(logits[b, :n] - ref[b, :n]).max() < 1e-5
         # Slots past the prompt hold nothing; slots inside it hold real keys.
@@ -53,10 +56,10 @@ def test_prefill_then_decode_matches_full_forward(name, attention):
         want = ref[np.arange(B), lengths + step]
         assert np.abs(np.asarray(logits_BV) - want).max() < 1e-5, step
         positions = positions + 1
-    assert isinstance(cache, KVCache) and cache.max_len == S
+    assert isinstance(cache, KVCache) and cache.max_len == S and cache.k_pos == k_pos
     L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     assert len(cache.k) == len(cache.v) == L
-    assert {k.shape for k in cache.k} == {(B, K, H, S)}
+    assert {k.shape for k in cache.k} == {(B, K, H, S) if k_pos == 3 else (B, K, S, H)}
     assert {v.shape for v in cache.v} == {(B, K, S, H)}
 
 
@@ -89,6 +92,11 @@ def test_decode_is_one_compiled_program_and_cache_is_a_pytree(tiny_model):
     for layer in range(config.num_hidden_layers):
         written = np.abs(np.asarray(cache.v[layer])).sum(axis=(1, 3)) > 0  # [B, K, S, H]
         assert written.tolist() == want, layer
+
+
+def test_a_key_layout_other_than_2_or_3_is_an_error(tiny_model):
+    with pytest.raises(ValueError, match="k_pos=1; valid: 2, 3"):
+        init_cache(tiny_model.config, 1, 4, k_pos=1)
 
 
 def test_prefill_longer_than_cache_is_an_error(tiny_model):

@@ -236,10 +236,6 @@ class JaxEngine:
         mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
         self.replicated = NamedSharding(mesh, PartitionSpec())  # params
         self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
-        per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
-        self.cache_rows = KVCache(k=per_layer, v=per_layer)
-        # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
-        self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
         # The params tree's shapes (what update_weights' trees match) in the compute dtype: every
         # use casts a weight to it (the same numbers), so float32 master weights are served and
         # copied at half the bytes. self.params holds them in their serving layout (_serve_impl).
@@ -276,6 +272,12 @@ class JaxEngine:
                 "several: 'auto' or 'xla'"
             )
         self.decode_attention = decode_attention
+        # The Pallas kernel reads keys with the head dim minor (a block of slots contiguous).
+        self.k_pos = 2 if decode_attention == "pallas" else 3
+        per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
+        self.cache_rows = KVCache(k=per_layer, v=per_layer, k_pos=self.k_pos)
+        # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
+        self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
         # Sampling as two Pallas kernels (rl.rollout.sample_kernel) where no row truncates; by
         # default with the Pallas decode attention (interpreted off a GPU, for tests).
         pallas = decode_attention == "pallas"
@@ -455,7 +457,11 @@ class JaxEngine:
         model, layers = self._model(params)
         b, T = tokens_bT.shape
         last, cache = model.prefill(
-            tokens_bT, lengths_b, init_cache(self.config, b, T), last_only=True, layers=layers
+            tokens_bT,
+            lengths_b,
+            init_cache(self.config, b, T, k_pos=self.k_pos),
+            last_only=True,
+            layers=layers,
         )
         keys0 = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
         tok, lp = sample(process_logits(last, temp, top_k, top_p, truncate), keys0, temp)
@@ -551,7 +557,7 @@ class JaxEngine:
     def _abstract(self, C: int, S: int):
         """Shapes and shardings of the state for C slots and a cache of S slots."""
         arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        kv = jax.eval_shape(lambda: init_cache(self.config, C, S))
+        kv = jax.eval_shape(lambda: init_cache(self.config, C, S, k_pos=self.k_pos))
         cache = jax.tree.map(lambda a, sh: arg(a.shape, a.dtype, sh), kv, self.cache_rows)
         i32 = arg((C,), jnp.int32, self.rows)
         flag = arg((C,), jnp.bool_, self.rows)
@@ -806,7 +812,7 @@ class JaxEngine:
         if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
             self._flush()
             self._slots = [None] * C
-            cache = init_cache(self.config, C, self.cache_len or self._floor)
+            cache = init_cache(self.config, C, self.cache_len or self._floor, k_pos=self.k_pos)
             zeros = np.zeros(C, np.int32)
             consts = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
             state = (cache, zeros, zeros, zeros, np.ones(C, bool), consts)
