@@ -29,9 +29,6 @@ WARPS, STAGES = 2, 3  # Triton launch parameters
 # Programs per (row, kv head), each over its share of the row's valid blocks (split-KV), their
 # partial softmaxes combined after the kernel: more programs in flight for short rows.
 SPLITS = 1
-# Cached blocks whose loads are issued before the q loads and rotary, so that their latency
-# overlaps that work (one program waits on its first block otherwise).
-PEEL = 1
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -95,8 +92,6 @@ def _kernel(
         ks = [k_ref[b, h, d, cols] if k_pos == 3 else k_ref[b, h, cols, d] for d in parts]
         return ks, v_ref[b, h, cols, :]
 
-    peel = min(PEEL, v_ref.shape[2] // block) if splits == 1 else 0
-    early = [load_block(j * block) for j in range(peel)]
     dtype, f32 = q_ref.dtype, jnp.float32
     scale = 1.0 / float(np.sqrt(H))
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32
@@ -142,15 +137,11 @@ def _kernel(
         o = c[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=exact)
         return o, m_new, c * total + jnp.sum(p, axis=1)
 
-    # A peeled block past the row's valid slots is masked whole: it changes nothing.
-    for j, kv in enumerate(early):
-        o, m, total = step(j * block, kv, (o, m, total))
-
     def body(j, carry):
         start = pl.multiple_of(j * block, block)
         return step(start, load_block(start), carry)
 
-    o, m, total = jax.lax.fori_loop(jnp.maximum(lo, peel), hi, body, (o, m, total))
+    o, m, total = jax.lax.fori_loop(lo, hi, body, (o, m, total))
     if splits > 1:
         o_ref[b, h, part] = o
         m_ref, l_ref = stats
