@@ -12,6 +12,7 @@ import sys
 BENCHES = {
     "learner": ("launch.benches.learner", "Learner.update throughput and MFU"),
     "sampler": ("launch.benches.sampler", "JaxEngine decode throughput and memory roofline"),
+    "attention": ("launch.benches.attention", "Pallas decode attention against XLA's, per layer"),
     "ceilings": ("launch.benches.ceilings", "measured bf16 matmul rate and copy bandwidth"),
     "async": ("launch.benches.async_bench", "the real trainer, synchronous vs fully async"),
     "publish": ("launch.benches.publish", "weight publication against a plain copy"),

@@ -72,6 +72,23 @@ def test_sampler_result_line_from_the_command_line():
     assert result["roofline_frac"] == "n/a"
 
 
+def test_attention_result_line(capsys):
+    """The Pallas decode attention (interpreted here) against XLA's on the same inputs: a time
+    for each and outputs within float32 rounding at every position."""
+    argv = "attention --preset tiny --dtype float32 --batch 2 --cache-len 64 --positions 0,17,63"
+    assert bench.main([*argv.split(), "--layers", "2", "--calls", "1"]) == 0
+    result = _parse_result(capsys.readouterr().out)
+    for p in (0, 17, 63):
+        _positive_finite(result, f"kernel_us_p{p}", f"xla_us_p{p}")
+        assert float(result[f"max_diff_p{p}"]) < 1e-5, result
+    _positive_finite(result, "speedup_geomean")
+
+
+def test_attention_bad_position_is_rejected(capsys):
+    assert bench.main("attention --preset tiny --cache-len 64 --positions 64".split()) == 2
+    assert "--positions [64]: each must be in [0, --cache-len=64)" in capsys.readouterr().err
+
+
 def test_bad_argument_is_rejected(capsys):
     assert bench.main("learner --preset tiny --batch 0".split()) == 2
     assert "--batch=0" in capsys.readouterr().err

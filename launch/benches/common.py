@@ -3,6 +3,7 @@ scripts read (`RESULT name=value ...`, printed last)."""
 
 from __future__ import annotations
 
+import collections
 import re
 import sys
 import time
@@ -100,25 +101,23 @@ _KERNEL_KINDS = (  # (kind, substrings of a GPU kernel's name), first match wins
 )
 
 
-def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step") -> None:
-    """Device kernel time per `unit` (`steps` calls of step(), each `per` units) by kind
-    (matmul, attention, elementwise fusion, copy) and the slowest kernels, from a jax.profiler
-    trace; printed."""
-    import collections
+def gpu_kernel_times(run, wait, calls: int = 1) -> dict:
+    """{kernel name: [launches, total ms]} of the GPU kernels that `calls` calls of run() start,
+    from a jax.profiler trace (wait() returns what to block on afterwards); empty off a GPU."""
     import glob
     import tempfile
 
     from jax._src.lib import _profile_data  # the trace reader JAX's own profiler tests use
 
+    kernels: dict = collections.defaultdict(lambda: [0, 0.0])
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            for _ in range(steps):
-                step()
-            jax.block_until_ready(state())
+            for _ in range(calls):
+                run()
+            jax.block_until_ready(wait())
         data = _profile_data.ProfileData.from_file(
             glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
         )
-        kernels: dict = collections.defaultdict(lambda: [0, 0.0])
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
@@ -126,7 +125,18 @@ def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step"
                 if "stream" in line.name.lower():
                     for e in line.events:
                         kernels[e.name][0] += 1
-                        kernels[e.name][1] += e.duration_ns / 1e6 / (steps * per)
+                        kernels[e.name][1] += e.duration_ns / 1e6
+    return dict(kernels)
+
+
+def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step") -> None:
+    """Device kernel time per `unit` (`steps` calls of step(), each `per` units) by kind
+    (matmul, attention, elementwise fusion, copy) and the slowest kernels, from a jax.profiler
+    trace; printed."""
+    kernels = {
+        name: [n, ms / (steps * per)]
+        for name, (n, ms) in gpu_kernel_times(step, state, steps).items()
+    }
     if not kernels:
         print("profile: no GPU kernels in the trace")
         return
