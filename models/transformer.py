@@ -545,7 +545,13 @@ class Transformer(nnx.Module):
 
     @_precise
     def decode(
-        self, tokens, positions, cache: KVCache, layers=None, attention: str = "xla"
+        self,
+        tokens,
+        positions,
+        cache: KVCache,
+        layers=None,
+        attention: str = "xla",
+        interpret: bool | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
 
@@ -554,7 +560,9 @@ class Transformer(nnx.Module):
         with the same weights (each step then reads them in place, without slicing or fusing
         them again); the layers are unrolled either way (one cache array per layer).
         attention: "xla", or "pallas" (models.decode_attention: one kernel per layer that reads
-        only the valid slots, where it applies; interpreted on a CPU, for tests).
+        only the valid slots, where it applies).
+        interpret: run that kernel in Pallas's interpreter (tests off a GPU); None: when the
+        default backend is not a GPU (a caller placing work on other devices says which).
         """
         if attention not in ("xla", "pallas"):
             raise ValueError(f"decode: attention={attention!r}; valid: 'xla', 'pallas'")
@@ -570,7 +578,8 @@ class Transformer(nnx.Module):
         kernel = attention == "pallas" and decode_attention.supported(
             c.dtype, N, c.num_key_value_heads, H, S
         )
-        interpret = jax.default_backend() == "cpu"
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
         # Without q/k norms the kernel also applies rotary and splits the fused projection.
         in_kernel_rope = kernel and not c.qk_norm
         rope_BH = tuple(r.reshape(B, H) for r in rope)  # [B, 1, 1, H]: one position a row

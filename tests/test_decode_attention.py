@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import create_model, tiny
+from models import create_model, init_cache, tiny
 from models import decode_attention as da
 from models.decode_attention import decode_attention, decode_attention_qkv, supported
 from models.transformer import _apply_rotary, _decode_attention, _write_slot, rotary
@@ -115,3 +115,16 @@ def test_engine_picks_xla_off_a_gpu_and_rejects_bad_choices():
     with pytest.raises(ValueError, match="runs on one device, got 2"):
         JaxEngine(model, devices=jax.devices()[:2], decode_attention="pallas")
     assert JaxEngine(model, devices=jax.devices()[:2]).decode_attention == "xla"
+
+
+def test_decode_runs_the_kernel_as_the_caller_says():
+    """interpret=None interprets off a GPU; False compiles it, which a CPU cannot (so the
+    caller's choice, e.g. the engine's from its own devices, is the one taken)."""
+    model = create_model(tiny())
+    cache = init_cache(model.config, 2, 16, k_pos=2)
+    tok, pos = jnp.asarray([3, 4]), jnp.asarray([0, 5])
+    logits, _ = model.decode(tok, pos, cache, attention="pallas")
+    assert np.isfinite(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match="interpret mode"):
+        model.decode(tok, pos, cache, attention="pallas", interpret=False)
+    assert JaxEngine(model, decode_attention="pallas").interpret  # its device is a CPU

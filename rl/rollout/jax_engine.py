@@ -272,6 +272,7 @@ class JaxEngine:
                 "several: 'auto' or 'xla'"
             )
         self.decode_attention = decode_attention
+        self.interpret = self.devices[0].platform != "gpu"  # the Pallas kernels off a GPU: tests
         # The Pallas kernel reads keys with the head dim minor (a block of slots contiguous).
         self.k_pos = 2 if decode_attention == "pallas" else 3
         per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
@@ -521,11 +522,12 @@ class JaxEngine:
 
         def one(i, c):
             cache, tok, pos, n, done, toks, lps = c
-            logits, cache = model.decode(tok, pos, cache, layers, self.decode_attention)
+            logits, cache = model.decode(
+                tok, pos, cache, layers, self.decode_attention, interpret=self.interpret
+            )
             keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
             if self.sample_kernel and not truncate:
-                interpret = self.devices[0].platform != "gpu"
-                new, lp = sample_kernel.sample(logits, keys_i, temp, interpret=interpret)
+                new, lp = sample_kernel.sample(logits, keys_i, temp, interpret=self.interpret)
             else:
                 new, lp = sample(process_logits(logits, temp, top_k, top_p, truncate), keys_i, temp)
             active = ~done
