@@ -84,9 +84,32 @@ def test_attention_result_line(capsys):
     _positive_finite(result, "speedup_geomean")
 
 
+def test_attention_sweeps_launch_constants(capsys):
+    """Every (block, warps, stages, splits) of the lists is timed, its outputs checked, the
+    kernel's own constants restored afterwards."""
+    from models import decode_attention as da
+
+    before = (da.BLOCK_S, da.WARPS, da.STAGES, da.SPLITS)
+    argv = "attention --preset tiny --dtype float32 --batch 2 --cache-len 64 --positions 40"
+    argv += " --layers 1 --calls 1 --blocks 16,32 --splits 1,2"
+    assert bench.main(argv.split()) == 0
+    out = capsys.readouterr().out
+    result = _parse_result(out)
+    assert (da.BLOCK_S, da.WARPS, da.STAGES, da.SPLITS) == before
+    rows = [line for line in out.splitlines() if line.startswith("  (")]
+    assert len(rows) == 5  # the default (64 slots) and the four of the grid
+    assert sum("(the default)" in r for r in rows) == 1
+    assert float(result["sweep_max_diff"]) < 1e-5
+    _positive_finite(result, "best_speedup_over_default")
+
+
 def test_attention_bad_position_is_rejected(capsys):
     assert bench.main("attention --preset tiny --cache-len 64 --positions 64".split()) == 2
     assert "--positions [64]: each must be in [0, --cache-len=64)" in capsys.readouterr().err
+    assert bench.main("attention --preset tiny --cache-len 64 --positions 0 --blocks 48".split()) == 2
+    assert "--blocks [48]: each a power of two >= 16 that divides 64" in capsys.readouterr().err
+    assert bench.main("attention --preset tiny --warps 0".split()) == 2
+    assert "--warps [0]: each must be positive" in capsys.readouterr().err
 
 
 def test_bad_argument_is_rejected(capsys):

@@ -2,12 +2,14 @@
 (models.decode_attention, keys [B, K, S, H]) against XLA's path (the slot writes, then
 models.transformer._decode_attention over the whole cache, keys [B, K, H, S]), at a model's
 shapes for cached lengths of a few blocks; each timed over distinct layers' caches, so that
-HBM, not L2, serves them. On a GPU the times are the profiler's kernel times; elsewhere wall
+HBM, not L2, serves them; --blocks/--warps/--stages/--splits sweep the kernel's launch
+constants. On a GPU the times are the profiler's kernel times; elsewhere wall
 clock (the kernel interpreted: a check that it runs, not a speed)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -26,12 +28,9 @@ from launch.benches.common import (
 )
 
 
-def _paths(B, K, G, H, S, dtype, layers, position, seed):
-    """(pallas, xla, args): jitted calls over `layers` distinct caches, every row at
-    `position` (its cached slots [0, position) read, the current token written there)."""
-    from models import decode_attention as da
-    from models.transformer import _decode_attention, _write_slot
-
+def _data(B, K, G, H, S, dtype, layers, position, seed):
+    """(q, k, v of the current token, positions, caches with keys [B, K, S, H], the same with
+    keys [B, K, H, S]): `layers` distinct caches, every row at `position`."""
     keys = iter(jax.random.split(jax.random.key(seed), 3 + 2 * layers))
     arr = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
     q, kn, vn = arr(B, K * G, H), arr(B, K, H), arr(B, K, H)
@@ -39,27 +38,41 @@ def _paths(B, K, G, H, S, dtype, layers, position, seed):
     v = [arr(B, K, S, H) for _ in range(layers)]
     k_hs = [jnp.swapaxes(k, 2, 3) for k in k_sh]  # the same keys, positions minor
     pos = jnp.full((B,), position, jnp.int32)
+    return (q, kn, vn, pos), (k_sh, v), (k_hs, [x + 0 for x in v])
+
+
+def _pallas(q, kn, vn, pos):
+    """The kernel over every layer's cache (traced with the module's launch constants)."""
+    from models import decode_attention as da
+
     interpret = jax.default_backend() == "cpu"
 
-    def pallas(ks, vs):
+    def run(ks, vs):
         out = [
             da.decode_attention(q, kn, vn, k, v, pos, k_pos=2, interpret=interpret)
             for k, v in zip(ks, vs)
         ]
         return [o for o, _, _ in out], [k for _, k, _ in out], [v for _, _, v in out]
 
-    def xla(ks, vs):
-        valid = jnp.arange(S)[None, :] <= pos[:, None]
+    return jax.jit(run, donate_argnums=(0, 1))  # the caches updated in place, as in the engine
+
+
+def _xla(q, kn, vn, pos):
+    """XLA's path: the slot writes, then attention over the whole cache, every layer."""
+    from models.transformer import _decode_attention, _write_slot
+
+    def run(ks, vs):
+        valid = jnp.arange(vs[0].shape[2])[None, :] <= pos[:, None]
         ks = [_write_slot(k, kn, pos, 3) for k in ks]
         vs = [_write_slot(v, vn, pos, 2) for v in vs]
         return [_decode_attention(q, k, v, valid, 3) for k, v in zip(ks, vs)], ks, vs
 
-    donate = dict(donate_argnums=(0, 1))  # the caches updated in place, as in the engine
-    return jax.jit(pallas, **donate), jax.jit(xla, **donate), (k_sh, v), (k_hs, [x + 0 for x in v])
+    return jax.jit(run, donate_argnums=(0, 1))
 
 
-def _time(fn, caches, calls: int) -> tuple[float, list]:
-    """(us a layer, the first call's outputs): profiler kernel time on a GPU, else wall clock."""
+def _time(fn, caches, calls: int) -> tuple[float, np.ndarray, tuple]:
+    """(us a layer, the first call's outputs, the caches after): profiler kernel time on a
+    GPU, else wall clock."""
     layers = len(caches[0])
     out = fn(*caches)  # compiles
     state = {"caches": out[1:]}
@@ -78,7 +91,16 @@ def _time(fn, caches, calls: int) -> tuple[float, list]:
             run()
         jax.block_until_ready(state["caches"])
         us = (time.perf_counter() - t0) * 1e6 / (calls * layers)
-    return us, first
+    return us, first, state["caches"]
+
+
+def _configs(args, da) -> list[tuple[int, int, int, int]]:
+    """(block, warps, stages, splits) to time: the product of the lists given, the module's
+    constants where a list is not; the default first."""
+    default = (da.BLOCK_S[0], da.WARPS, da.STAGES, da.SPLITS)
+    lists = [args.blocks, args.warps, args.stages, args.splits]
+    grid = itertools.product(*[v or [d] for v, d in zip(lists, default)])
+    return [default] + [c for c in grid if c != default]
 
 
 def bench_attention(args) -> dict:
@@ -98,32 +120,63 @@ def bench_attention(args) -> dict:
             f"the Pallas decode attention does not take {args.preset} ({cfg.dtype}, {N} heads, "
             f"{K} kv heads, head dim {H}) with --cache-len={S} (see decode_attention.supported)"
         )
+    bad = [b for b in args.blocks or () if b < 16 or b & (b - 1) or S % b]
+    if bad:
+        raise ValueError(f"--blocks {bad}: each a power of two >= 16 that divides {S}")
+    configs = _configs(args, da)
     print(
         f"attention: {args.preset} {cfg.dtype} batch={B} kv heads={K} query heads={N} "
         f"head dim={H} cache={S} layers={L}; {'kernel' if gpu else 'wall'} time a layer"
     )
     item = jnp.dtype(cfg.dtype).itemsize
+    saved = (da.BLOCK_S, da.WARPS, da.STAGES, da.SPLITS)
+    times = {c: [] for c in configs}
+    diffs = {c: 0.0 for c in configs}  # each setting's outputs against XLA's
     result, ratios = {}, []
-    for p in positions:
-        pallas, xla, kv_sh, kv_hs = _paths(B, K, N // K, H, S, cfg.dtype, L, p, args.seed)
-        with jax.default_matmul_precision(cfg.precision):  # as the model: float32 means float32
-            t_pallas, o_pallas = _time(pallas, kv_sh, args.calls)
-            t_xla, o_xla = _time(xla, kv_hs, args.calls)
-        diff = float(np.abs(o_pallas - o_xla).max())  # the same inputs: one rounding apart
-        need = 2 * B * K * p * H * item  # the valid slots' keys and values, once
-        rate = need / (t_pallas * 1e-6)
-        frac = f", {rate / bw:.1%} of the bandwidth" if bw else ""
-        ratios.append(t_xla / t_pallas)
-        print(
-            f"position {p:5d}: kernel {t_pallas:7.2f} us, XLA {t_xla:7.2f} us "
-            f"({t_xla / t_pallas:.2f}x); {need / 1e6:.2f} MB of cache at "
-            f"{rate / 1e12:.2f} TB/s{frac}; outputs {diff:.2g} apart"
-        )
-        result[f"kernel_us_p{p}"] = t_pallas
-        result[f"xla_us_p{p}"] = t_xla
-        result[f"max_diff_p{p}"] = diff
+    try:
+        for p in positions:
+            args_p, kv_sh, kv_hs = _data(B, K, N // K, H, S, cfg.dtype, L, p, args.seed)
+            # As the model: float32 means float32 (no TF32 in XLA's path either).
+            with jax.default_matmul_precision(cfg.precision):
+                t_xla, o_xla, _ = _time(_xla(*args_p), kv_hs, args.calls)
+                for c in configs:
+                    da.BLOCK_S = (c[0],) + saved[0]
+                    da.WARPS, da.STAGES, da.SPLITS = c[1:]
+                    t, o, kv_sh = _time(_pallas(*args_p), kv_sh, args.calls)
+                    times[c].append(t)
+                    diffs[c] = max(diffs[c], float(np.abs(o - o_xla).max()))
+                    if c == configs[0]:
+                        t_pallas, o_pallas = t, o
+            diff = float(np.abs(o_pallas - o_xla).max())  # the same inputs: one rounding apart
+            need = 2 * B * K * p * H * item  # the valid slots' keys and values, once
+            rate = need / (t_pallas * 1e-6)
+            frac = f", {rate / bw:.1%} of the bandwidth" if bw else ""
+            ratios.append(t_xla / t_pallas)
+            print(
+                f"position {p:5d}: kernel {t_pallas:7.2f} us, XLA {t_xla:7.2f} us "
+                f"({t_xla / t_pallas:.2f}x); {need / 1e6:.2f} MB of cache at "
+                f"{rate / 1e12:.2f} TB/s{frac}; outputs {diff:.2g} apart"
+            )
+            result[f"kernel_us_p{p}"] = t_pallas
+            result[f"xla_us_p{p}"] = t_xla
+            result[f"max_diff_p{p}"] = diff
+    finally:
+        da.BLOCK_S, da.WARPS, da.STAGES, da.SPLITS = saved
     result["speedup_geomean"] = float(np.exp(np.mean(np.log(ratios))))
     print(f"kernel against XLA: {fmt(result['speedup_geomean'], 3)}x (geometric mean)")
+    if len(configs) > 1:
+        mean = {c: float(np.mean(t)) for c, t in times.items()}
+        print(
+            "block, warps, stages, splits: us a layer at each position; mean; against the default"
+        )
+        for c in sorted(configs, key=mean.get):
+            each = ", ".join(f"{t:.2f}" for t in times[c])
+            tag = "  (the default)" if c == configs[0] else ""
+            ratio = mean[configs[0]] / mean[c]
+            print(f"  {c}: {each}; {mean[c]:.2f}; {ratio:.3f}x; {diffs[c]:.2g} apart{tag}")
+        best = min(configs, key=mean.get)
+        result["best_speedup_over_default"] = mean[configs[0]] / mean[best]
+        result["sweep_max_diff"] = max(diffs.values())
     return result
 
 
@@ -142,6 +195,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=0, help="distinct caches (0: the model's layers)")
     p.add_argument("--calls", type=int, default=10, help="timed calls per measurement")
     p.add_argument("--seed", type=int, default=0)
+    ints = lambda s: [int(x) for x in s.split(",")]
+    for name, what in (
+        ("blocks", "cache slots per inner step"),
+        ("warps", "Triton warps"),
+        ("stages", "Triton pipeline stages"),
+        ("splits", "programs per row and kv head (split-KV)"),
+    ):
+        p.add_argument(
+            f"--{name}",
+            type=ints,
+            default=None,
+            help=f"comma-separated {what} to sweep (default: the kernel's own)",
+        )
     return p
 
 
@@ -150,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if reject_nonpositive(args, ("batch", "cache_len", "calls"), zero_ok=("layers",)):
         return 2
+    for name in ("warps", "stages", "splits"):
+        bad = [x for x in getattr(args, name) or () if x < 1]
+        if bad:
+            print(f"--{name} {bad}: each must be positive", file=sys.stderr)
+            return 2
     try:
         result = bench_attention(args)
     except ValueError as e:
