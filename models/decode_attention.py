@@ -83,18 +83,12 @@ def _kernel(
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2) if splits > 1 else 0
     H = q_ref.shape[-1]
-    pos = pos_ref[b]
     # With rotary here the head dim is taken in halves (rotate-half pairs d with d + H/2).
     parts = (pl.ds(0, H),) if cos_ref is None else (pl.ds(0, H // 2), pl.ds(H // 2, H // 2))
-
-    def load_block(start):  # keys [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2)
-        cols = pl.ds(start, block)
-        ks = [k_ref[b, h, d, cols] if k_pos == 3 else k_ref[b, h, cols, d] for d in parts]
-        return ks, v_ref[b, h, cols, :]
-
     dtype, f32 = q_ref.dtype, jnp.float32
     scale = 1.0 / float(np.sqrt(H))
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None  # no TF32
+    pos = pos_ref[b]
     # The group's G query heads, padded to HEADS_PAD rows by the masked load (rows past G: 0).
     rows = pl.ds(q0 + h * G, HEADS_PAD)
     in_group = (jnp.arange(HEADS_PAD) < G)[:, None]
@@ -123,9 +117,13 @@ def _kernel(
         total = jnp.where(first, total, 0.0)
         o = jnp.where(first, o, 0.0)
 
-    def step(start, kv, carry):
+    def body(j, carry):
         o, m, total = carry
-        ks, v = kv
+        start = pl.multiple_of(j * block, block)
+        cols = pl.ds(start, block)
+        # Keys [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2: a block is one contiguous run).
+        ks = [k_ref[b, h, d, cols] if k_pos == 3 else k_ref[b, h, cols, d] for d in parts]
+        v = v_ref[b, h, cols, :]  # [block, H]
         t = k_pos == 2  # keys [block, H] against q [HEADS_PAD, H]
         s = sum(plgpu.dot(x, k, trans_b=t, precision=exact) for x, k in zip(q, ks))
         s = s * scale  # float32 [HEADS_PAD, block]
@@ -136,10 +134,6 @@ def _kernel(
         p = jnp.exp(s - m_new[:, None])
         o = c[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=exact)
         return o, m_new, c * total + jnp.sum(p, axis=1)
-
-    def body(j, carry):
-        start = pl.multiple_of(j * block, block)
-        return step(start, load_block(start), carry)
 
     o, m, total = jax.lax.fori_loop(lo, hi, body, (o, m, total))
     if splits > 1:
