@@ -106,7 +106,9 @@ def test_attention_sweeps_launch_constants(capsys):
 def test_attention_bad_position_is_rejected(capsys):
     assert bench.main("attention --preset tiny --cache-len 64 --positions 64".split()) == 2
     assert "--positions [64]: each must be in [0, --cache-len=64)" in capsys.readouterr().err
-    assert bench.main("attention --preset tiny --cache-len 64 --positions 0 --blocks 48".split()) == 2
+    assert (
+        bench.main("attention --preset tiny --cache-len 64 --positions 0 --blocks 48".split()) == 2
+    )
     assert "--blocks [48]: each a power of two >= 16 that divides 64" in capsys.readouterr().err
     assert bench.main("attention --preset tiny --warps 0".split()) == 2
     assert "--warps [0]: each must be positive" in capsys.readouterr().err
