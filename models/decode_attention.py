@@ -2,7 +2,7 @@
 only the row's valid cache positions, adds the current token from registers and writes that
 token's key and value into the cache in place.
 
-The XLA path (models.transformer._decode_attention after _write_slot) runs two scatters, two
+The XLA path (models.transformer.xla_decode_attention after write_slot) runs two scatters, two
 batched GEMMs and a masked softmax over the whole allocated cache per layer, and before them
 the split of the fused q/k/v projection and rotary; on a GPU, where a decode step is a few
 hundred small kernels, this one kernel replaces them (rotary only for models without q/k norms,

@@ -339,7 +339,7 @@ def _scan_layers(layers: DecoderLayer, body, carry, xs=None, *, remat: str = "no
     return jax.lax.scan(step, carry, (state, xs))
 
 
-def _write_slot(cache, new_BKH, positions_B, axis: int) -> jax.Array:
+def write_slot(cache, new_BKH, positions_B, axis: int) -> jax.Array:
     """One layer's cache [B, ...] with position positions_B[b] (on `axis`) of row b set to
     new_BKH[b]: one scatter with the rows as its batching dimension, written in place."""
     dims = jax.lax.ScatterDimensionNumbers(
@@ -360,7 +360,7 @@ def _write_slot(cache, new_BKH, positions_B, axis: int) -> jax.Array:
     )
 
 
-def _decode_attention(q_BNH, k_cache, v_BKSH, valid_BS, k_pos: int) -> jax.Array:
+def xla_decode_attention(q_BNH, k_cache, v_BKSH, valid_BS, k_pos: int) -> jax.Array:
     """One query row per sequence over its cache (GQA): o [B, N, H], as
     jax.nn.dot_product_attention's xla path computes it (float32 logits and softmax). k_cache
     [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2)."""
@@ -616,9 +616,9 @@ class Transformer(nnx.Module):
                     )
                     return o[:, None], None
                 # Only the new slots are written, in place in the layer's own buffers.
-                ks[i] = _write_slot(ks[i], k[:, 0], positions, cache.k_pos)
-                vs[i] = _write_slot(vs[i], v[:, 0], positions, KVCache.V_POS)
-                o = _decode_attention(q[:, 0], ks[i], vs[i], valid_BS, cache.k_pos)
+                ks[i] = write_slot(ks[i], k[:, 0], positions, cache.k_pos)
+                vs[i] = write_slot(vs[i], v[:, 0], positions, KVCache.V_POS)
+                o = xla_decode_attention(q[:, 0], ks[i], vs[i], valid_BS, cache.k_pos)
                 return o[:, None], None
 
             x_B1D, _ = layer(x_B1D, rope, attend, fused)

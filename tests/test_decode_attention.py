@@ -11,7 +11,7 @@ import pytest
 from models import create_model, init_cache, tiny
 from models import decode_attention as da
 from models.decode_attention import decode_attention, decode_attention_qkv, supported
-from models.transformer import _apply_rotary, _decode_attention, _write_slot, rotary
+from models.transformer import _apply_rotary, rotary, write_slot, xla_decode_attention
 from rl.rollout.jax_engine import JaxEngine
 
 
@@ -23,9 +23,9 @@ def _case(B, K, G, H, S, dtype, seed=0, k_pos=3):
 
 
 def _xla(q, kn, vn, kc, vc, pos, k_pos=3):
-    k2, v2 = _write_slot(kc, kn, pos, k_pos), _write_slot(vc, vn, pos, 2)
+    k2, v2 = write_slot(kc, kn, pos, k_pos), write_slot(vc, vn, pos, 2)
     valid = jnp.arange(vc.shape[2])[None, :] <= pos[:, None]
-    return _decode_attention(q, k2, v2, valid, k_pos), k2, v2
+    return xla_decode_attention(q, k2, v2, valid, k_pos), k2, v2
 
 
 @pytest.mark.parametrize(

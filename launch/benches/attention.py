@@ -1,6 +1,6 @@
 """python -m launch.bench attention: one decode step's attention, the Pallas kernel
 (models.decode_attention, keys [B, K, S, H]) against XLA's path (the slot writes, then
-models.transformer._decode_attention over the whole cache, keys [B, K, H, S]), at a model's
+models.transformer.xla_decode_attention over the whole cache, keys [B, K, H, S]), at a model's
 shapes for cached lengths of a few blocks; each timed over distinct layers' caches, so that
 HBM, not L2, serves them; --blocks/--warps/--stages/--splits sweep the kernel's launch
 constants. On a GPU the times are the profiler's kernel times; elsewhere wall
@@ -59,13 +59,13 @@ def _pallas(q, kn, vn, pos):
 
 def _xla(q, kn, vn, pos):
     """XLA's path: the slot writes, then attention over the whole cache, every layer."""
-    from models.transformer import _decode_attention, _write_slot
+    from models.transformer import write_slot, xla_decode_attention
 
     def run(ks, vs):
         valid = jnp.arange(vs[0].shape[2])[None, :] <= pos[:, None]
-        ks = [_write_slot(k, kn, pos, 3) for k in ks]
-        vs = [_write_slot(v, vn, pos, 2) for v in vs]
-        return [_decode_attention(q, k, v, valid, 3) for k, v in zip(ks, vs)], ks, vs
+        ks = [write_slot(k, kn, pos, 3) for k in ks]
+        vs = [write_slot(v, vn, pos, 2) for v in vs]
+        return [xla_decode_attention(q, k, v, valid, 3) for k, v in zip(ks, vs)], ks, vs
 
     return jax.jit(run, donate_argnums=(0, 1))
 
