@@ -94,7 +94,7 @@ def _kernel(
     in_group = (jnp.arange(HEADS_PAD) < G)[:, None]
     q = [plgpu.load(q_ref.at[b, rows, d], mask=in_group, other=0).astype(f32) for d in parts]
     kn = [kn_ref[b, k0 + h, d].astype(f32) for d in parts]
-    if cos_ref is not None:  # rotary here, as models.transformer._apply_rotary computes it
+    if cos_ref is not None:  # rotary here, as models.transformer.apply_rotary computes it
         cos, sin = cos_ref[b, parts[0]].astype(f32), sin_ref[b, parts[0]].astype(f32)
         rot = lambda lo, hi: (lo * cos - hi * sin, hi * cos + lo * sin)
         q, kn = list(rot(*q)), list(rot(*kn))

@@ -81,7 +81,8 @@ def rotary(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax
     return cos[:, :, None, :].astype(config.dtype), sin[:, :, None, :].astype(config.dtype)
 
 
-def _apply_rotary(x_BTNH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rotary(x_BTNH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding (rotate-half) of x with rotary()'s cos and sin at its positions."""
     half = x_BTNH.shape[-1] // 2
     rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
     return x_BTNH * cos + rotated * sin
@@ -159,7 +160,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin), v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def fused_qkv(self) -> tuple[jax.Array, jax.Array | None]:
         """The q, k and v kernels side by side [D, (N + 2K) H], and their biases (or None)."""

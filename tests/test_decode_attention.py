@@ -11,7 +11,7 @@ import pytest
 from models import create_model, init_cache, tiny
 from models import decode_attention as da
 from models.decode_attention import decode_attention, decode_attention_qkv, supported
-from models.transformer import _apply_rotary, rotary, write_slot, xla_decode_attention
+from models.transformer import apply_rotary, rotary, write_slot, xla_decode_attention
 from rl.rollout.jax_engine import JaxEngine
 
 
@@ -79,7 +79,7 @@ def test_supported_shapes():
 @pytest.mark.parametrize("k_pos", [3, 2])
 def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, k_pos, monkeypatch):
     """decode_attention_qkv takes the fused projection's raw [B, N + 2K, H] output and applies
-    rotary itself: against _apply_rotary then the XLA path (float32; the kernel's two half-dim
+    rotary itself: against apply_rotary then the XLA path (float32; the kernel's two half-dim
     dots sum in another order than one dot, hence 1e-5 rather than 1e-6)."""
     monkeypatch.setattr(da, "SPLITS", splits)
     B, K, G, H, S = 6, 2, 7, 64, 128
@@ -92,7 +92,7 @@ def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, k_pos, monk
     config = tiny(head_dim=H, hidden_size=4 * H, rope_theta=10000.0)
     cos, sin = rotary(config, pos[:, None])  # [B, 1, 1, H]
     q, k, v = qkv[:, :N], qkv[:, N : N + K], qkv[:, N + K :]
-    q, k = (_apply_rotary(x[:, None], cos, sin)[:, 0] for x in (q, k))
+    q, k = (apply_rotary(x[:, None], cos, sin)[:, 0] for x in (q, k))
     want_o, want_k, want_v = _xla(q, k, v, kc, vc, pos, k_pos)
     rope = (cos.reshape(B, H), sin.reshape(B, H))
     o, k2, v2 = decode_attention_qkv(

@@ -1,6 +1,7 @@
-"""python -m launch.bench attention: one decode step's attention, the Pallas kernel
-(models.decode_attention, keys [B, K, S, H]) against XLA's path (the slot writes, then
-models.transformer.xla_decode_attention over the whole cache, keys [B, K, H, S]), at a model's
+"""python -m launch.bench attention: one decode step's attention as the model's decode runs it,
+the Pallas kernel (models.decode_attention_qkv, keys [B, K, S, H]; rotary and the q/k/v split in
+it, as for the presets' Qwen2 shapes) against XLA's path (the split, rotary, the slot writes,
+then models.transformer.xla_decode_attention over the whole cache, keys [B, K, H, S]), at a model's
 shapes for cached lengths of a few blocks; each timed over distinct layers' caches, so that
 HBM, not L2, serves them; --blocks/--warps/--stages/--splits sweep the kernel's launch
 constants. On a GPU the times are the profiler's kernel times; elsewhere wall
@@ -12,6 +13,7 @@ import argparse
 import itertools
 import sys
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -26,42 +28,56 @@ from launch.benches.common import (
     print_result,
     reject_nonpositive,
 )
+from models import decode_attention as da
+from models.transformer import apply_rotary, rotary, write_slot, xla_decode_attention
 
 
-def _data(B, K, G, H, S, dtype, layers, position, seed):
-    """(q, k, v of the current token, positions, caches with keys [B, K, S, H], the same with
-    keys [B, K, H, S]): `layers` distinct caches, every row at `position`."""
-    keys = iter(jax.random.split(jax.random.key(seed), 3 + 2 * layers))
-    arr = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
-    q, kn, vn = arr(B, K * G, H), arr(B, K, H), arr(B, K, H)
+def _data(cfg, B, S, layers, position, seed):
+    """(inputs, caches with keys [B, K, S, H], the same with keys [B, K, H, S]): the fused
+    projection's output qkv [B, N + 2K, H], rotary's (cos, sin) [B, H] and the positions, every
+    row at `position`; `layers` distinct caches."""
+    K, N, H = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    keys = iter(jax.random.split(jax.random.key(seed), 1 + 2 * layers))
+    arr = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(cfg.dtype)
+    qkv = arr(B, N + 2 * K, H)
     k_sh = [arr(B, K, S, H) for _ in range(layers)]
     v = [arr(B, K, S, H) for _ in range(layers)]
     k_hs = [jnp.swapaxes(k, 2, 3) for k in k_sh]  # the same keys, positions minor
     pos = jnp.full((B,), position, jnp.int32)
-    return (q, kn, vn, pos), (k_sh, v), (k_hs, [x + 0 for x in v])
+    cos, sin = (r.reshape(B, H) for r in rotary(cfg, pos[:, None]))  # [B, 1, 1, H] each
+    return (qkv, (cos, sin), pos), (k_sh, v), (k_hs, [x + 0 for x in v])
 
 
-def _pallas(q, kn, vn, pos):
-    """The kernel over every layer's cache (traced with the module's launch constants)."""
-    from models import decode_attention as da
+def _split_rotated(cfg, qkv, rope):
+    """q [B, N, H], k and v [B, K, H] of the fused projection's output, rotary on q and k."""
+    N, K = cfg.num_attention_heads, cfg.num_key_value_heads
+    q, k, v = qkv[:, :N], qkv[:, N : N + K], qkv[:, N + K :]
+    cos, sin = (r[:, None, None] for r in rope)  # [B, 1, 1, H], as models.transformer.rotary
+    q, k = (apply_rotary(x[:, None], cos, sin)[:, 0] for x in (q, k))
+    return q, k, v
 
-    interpret = jax.default_backend() == "cpu"
+
+def _pallas(cfg, qkv, rope, pos):
+    """The kernel over every layer's cache as the model's decode calls it for the presets
+    (Qwen2: no q/k norms, so rotary and the q/k/v split in the kernel), traced with the
+    module's launch constants."""
+    N = cfg.num_attention_heads
+    interpret = jax.default_backend() != "gpu"
 
     def run(ks, vs):
-        out = [
-            da.decode_attention(q, kn, vn, k, v, pos, k_pos=2, interpret=interpret)
-            for k, v in zip(ks, vs)
-        ]
+        call = partial(da.decode_attention_qkv, qkv, rope, num_heads=N, k_pos=2)
+        out = [call(k, v, pos, interpret=interpret) for k, v in zip(ks, vs)]
         return [o for o, _, _ in out], [k for _, k, _ in out], [v for _, _, v in out]
 
     return jax.jit(run, donate_argnums=(0, 1))  # the caches updated in place, as in the engine
 
 
-def _xla(q, kn, vn, pos):
-    """XLA's path: the slot writes, then attention over the whole cache, every layer."""
-    from models.transformer import write_slot, xla_decode_attention
+def _xla(cfg, qkv, rope, pos):
+    """XLA's path: the split and rotary, the slot writes, then attention over the whole cache,
+    every layer."""
 
     def run(ks, vs):
+        q, kn, vn = _split_rotated(cfg, qkv, rope)
         valid = jnp.arange(vs[0].shape[2])[None, :] <= pos[:, None]
         ks = [write_slot(k, kn, pos, 3) for k in ks]
         vs = [write_slot(v, vn, pos, 2) for v in vs]
@@ -94,7 +110,7 @@ def _time(fn, caches, calls: int) -> tuple[float, np.ndarray, tuple]:
     return us, first, state["caches"]
 
 
-def _configs(args, da) -> list[tuple[int, int, int, int]]:
+def _configs(args) -> list[tuple[int, int, int, int]]:
     """(block, warps, stages, splits) to time: the product of the lists given, the module's
     constants where a list is not; the default first."""
     default = (da.BLOCK_S[0], da.WARPS, da.STAGES, da.SPLITS)
@@ -104,8 +120,6 @@ def _configs(args, da) -> list[tuple[int, int, int, int]]:
 
 
 def bench_attention(args) -> dict:
-    from models import decode_attention as da
-
     _, _, bw = device_summary()
     gpu = jax.default_backend() == "gpu"
     cfg = model_config(args.preset, dtype=args.dtype, param_dtype=args.dtype)
@@ -123,7 +137,7 @@ def bench_attention(args) -> dict:
     bad = [b for b in args.blocks or () if b < 16 or b & (b - 1) or S % b]
     if bad:
         raise ValueError(f"--blocks {bad}: each a power of two >= 16 that divides {S}")
-    configs = _configs(args, da)
+    configs = _configs(args)
     print(
         f"attention: {args.preset} {cfg.dtype} batch={B} kv heads={K} query heads={N} "
         f"head dim={H} cache={S} layers={L}; {'kernel' if gpu else 'wall'} time a layer"
@@ -135,14 +149,14 @@ def bench_attention(args) -> dict:
     result, ratios = {}, []
     try:
         for p in positions:
-            args_p, kv_sh, kv_hs = _data(B, K, N // K, H, S, cfg.dtype, L, p, args.seed)
+            args_p, kv_sh, kv_hs = _data(cfg, B, S, L, p, args.seed)
             # As the model: float32 means float32 (no TF32 in XLA's path either).
             with jax.default_matmul_precision(cfg.precision):
-                t_xla, o_xla, _ = _time(_xla(*args_p), kv_hs, args.calls)
+                t_xla, o_xla, _ = _time(_xla(cfg, *args_p), kv_hs, args.calls)
                 for c in configs:
                     da.BLOCK_S = (c[0],) + saved[0]
                     da.WARPS, da.STAGES, da.SPLITS = c[1:]
-                    t, o, kv_sh = _time(_pallas(*args_p), kv_sh, args.calls)
+                    t, o, kv_sh = _time(_pallas(cfg, *args_p), kv_sh, args.calls)
                     times[c].append(t)
                     diffs[c] = max(diffs[c], float(np.abs(o - o_xla).max()))
                     if c == configs[0]:
