@@ -460,7 +460,7 @@ class JaxEngine:
         last, cache = model.prefill(
             tokens_bT,
             lengths_b,
-            init_cache(self.config, b, T, k_pos=self.k_pos),
+            self._new_cache(b, T),
             last_only=True,
             layers=layers,
         )
@@ -556,10 +556,14 @@ class JaxEngine:
         state = (cache, tok, pos, n, done, consts)
         return state, toks, lps, done.astype(jnp.int8), jnp.int32(steps)
 
+    def _new_cache(self, rows: int, slots: int) -> KVCache:
+        """An all-zero cache in this engine's key layout."""
+        return init_cache(self.config, rows, slots, k_pos=self.k_pos)
+
     def _abstract(self, C: int, S: int):
         """Shapes and shardings of the state for C slots and a cache of S slots."""
         arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        kv = jax.eval_shape(lambda: init_cache(self.config, C, S, k_pos=self.k_pos))
+        kv = jax.eval_shape(lambda: self._new_cache(C, S))
         cache = jax.tree.map(lambda a, sh: arg(a.shape, a.dtype, sh), kv, self.cache_rows)
         i32 = arg((C,), jnp.int32, self.rows)
         flag = arg((C,), jnp.bool_, self.rows)
@@ -814,7 +818,7 @@ class JaxEngine:
         if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
             self._flush()
             self._slots = [None] * C
-            cache = init_cache(self.config, C, self.cache_len or self._floor, k_pos=self.k_pos)
+            cache = self._new_cache(C, self.cache_len or self._floor)
             zeros = np.zeros(C, np.int32)
             consts = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
             state = (cache, zeros, zeros, zeros, np.ones(C, bool), consts)
