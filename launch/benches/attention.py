@@ -33,7 +33,7 @@ from models.transformer import apply_rotary, rotary, write_slot, xla_decode_atte
 
 
 def _data(cfg, B, S, layers, position, seed):
-    """(inputs, caches with keys [B, K, S, H], the same with keys [B, K, H, S]): the fused
+    """(inputs, caches with keys [B, K, S, H], a copy with keys [B, K, H, S]): the fused
     projection's output qkv [B, N + 2K, H], rotary's (cos, sin) [B, H] and the positions, every
     row at `position`; `layers` distinct caches."""
     K, N, H = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
@@ -45,7 +45,8 @@ def _data(cfg, B, S, layers, position, seed):
     k_hs = [jnp.swapaxes(k, 2, 3) for k in k_sh]  # the same keys, positions minor
     pos = jnp.full((B,), position, jnp.int32)
     cos, sin = (r.reshape(B, H) for r in rotary(cfg, pos[:, None]))  # [B, 1, 1, H] each
-    return (qkv, (cos, sin), pos), (k_sh, v), (k_hs, [x + 0 for x in v])
+    # Each path donates its caches, so the XLA path gets its own copy of the values.
+    return (qkv, (cos, sin), pos), (k_sh, v), (k_hs, [jnp.copy(x) for x in v])
 
 
 def _split_rotated(cfg, qkv, rope):
