@@ -181,6 +181,31 @@ def test_pallas_decode_attention_matches_xla():
     assert engine.decode_attention == "pallas" and engine.k_pos == 2
 
 
+def test_auto_decodes_with_xla_when_the_kernels_fail_on_this_gpu_fake_lowering_fault(
+    monkeypatch, capsys
+):
+    """A jax that cannot lower the Pallas kernels on this GPU (simulated: the kernel raises as
+    jax's lowering does): 'auto' says why on stderr and generates with XLA's paths."""
+    from models import decode_attention as da
+    from rl.rollout import kernels
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("Unimplemented primitive in Pallas Triton lowering: run_scoped")
+
+    kernels.failure.cache_clear()
+    try:
+        monkeypatch.setattr(da, "decode_attention_qkv", refuse)
+        engine = JaxEngine(_model(dtype="bfloat16"))
+        assert engine.decode_attention == "xla" and not engine.sample_kernel
+        err = capsys.readouterr().err
+        assert "the Pallas kernels fail on" in err and "NotImplementedError" in err, err
+        req = GenerationRequest("r", np.arange(1, 6, dtype=np.int32), SamplingParams(8, seed=0))
+        (out,) = engine.generate([req])
+        assert len(out.token_ids) == 8
+    finally:
+        kernels.failure.cache_clear()
+
+
 def test_pallas_sampling_matches_xla():
     """The compiled sampling kernels at a 151,936-entry vocabulary against the XLA sampler:
     the same tokens from the same keys, log-probs within 1e-5, the argmax for greedy rows."""

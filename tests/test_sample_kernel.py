@@ -110,3 +110,70 @@ def test_a_jax_without_pallas_triton_keeps_the_xla_paths(monkeypatch):
     for kwargs in (dict(decode_attention="pallas"), dict(sample_kernel=True)):
         with pytest.raises(ValueError, match="need Pallas's Triton backend, which jax"):
             JaxEngine(model, **kwargs)
+
+
+LOWERING_ERROR = "Unimplemented primitive in Pallas Triton lowering: run_scoped"
+
+
+def _refuse(*args, **kwargs):
+    """A kernel call failing as jax's lowering does when it cannot lower the kernel."""
+    raise NotImplementedError(LOWERING_ERROR)
+
+
+@pytest.fixture
+def fresh_probe():
+    """kernels.failure's per-device answer forgotten before and after the test."""
+    from rl.rollout import kernels
+
+    kernels.failure.cache_clear()
+    yield kernels
+    kernels.failure.cache_clear()
+
+
+def test_kernel_probe_runs_both_kernels_on_this_device(fresh_probe):
+    """Both kernels compile (interpreted here) and run at the probe's tiny shapes."""
+    assert fresh_probe.failure(jax.devices()[0]) is None
+
+
+def test_kernels_asked_for_that_fail_on_the_device_are_a_config_error_fake_lowering_fault(
+    fresh_probe, monkeypatch
+):
+    """A jax that keeps the Triton backend importable but cannot lower a kernel (simulated: the
+    kernel raises as jax's lowering does): asking for the kernels fails at construction with
+    the device and the error, not at the first decode step; 'auto' off a GPU keeps XLA's."""
+    from models import decode_attention as da
+
+    monkeypatch.setattr(da, "decode_attention_qkv", _refuse)
+    why = fresh_probe.failure(jax.devices()[0])
+    assert why == f"NotImplementedError: {LOWERING_ERROR}"
+    model = create_model(tiny())
+    for kwargs in (dict(decode_attention="pallas"), dict(sample_kernel=True)):
+        with pytest.raises(ValueError, match="the Pallas kernels fail on cpu: NotImplementedError"):
+            JaxEngine(model, **kwargs)
+    engine = JaxEngine(model)
+    assert engine.decode_attention == "xla" and not engine.sample_kernel
+
+
+def test_auto_decodes_with_xla_when_the_kernels_fail_fake_gpu_platform_and_lowering_fault(
+    fresh_probe, monkeypatch, capsys
+):
+    """'auto' as on a GPU (this CPU counted as one, its kernels interpreted): the kernels when
+    the probe passes; when they fail (simulated), XLA's paths, the reason on stderr, and
+    generation goes on."""
+    from models import decode_attention as da
+
+    monkeypatch.setattr(fresh_probe, "AUTO_PLATFORMS", ("gpu", "cpu"))
+    model = create_model(tiny())
+    engine = JaxEngine(model)
+    assert engine.decode_attention == "pallas" and engine.sample_kernel
+    assert capsys.readouterr().err == ""
+
+    fresh_probe.failure.cache_clear()
+    monkeypatch.setattr(da, "decode_attention_qkv", _refuse)
+    engine = JaxEngine(model)
+    assert engine.decode_attention == "xla" and not engine.sample_kernel
+    err = capsys.readouterr().err
+    assert "the Pallas kernels fail on cpu (NotImplementedError: Unimplemented" in err, err
+    req = GenerationRequest("r", np.arange(1, 6, dtype=np.int32), SamplingParams(8, seed=0))
+    (out,) = engine.generate([req])
+    assert len(out.token_ids) == 8

@@ -45,6 +45,7 @@ import atexit
 import collections
 import dataclasses
 import os
+import sys
 import threading
 import time
 import weakref
@@ -60,7 +61,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from models.decode_attention import available, supported
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
-from rl.rollout import sample_kernel
+from rl.rollout import kernels, sample_kernel
 from rl.rollout.base import (
     UPDATE_MODES,
     Generation,
@@ -257,9 +258,18 @@ class JaxEngine:
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
         accelerator = self.devices[0].platform != "cpu"
         # The Pallas kernel runs on one GPU (a custom call the row-sharding does not split).
+        kind = self.devices[0].device_kind
+        asked = decode_attention == "pallas" or bool(sample_kernel)  # not by 'auto'
         if decode_attention == "auto":
-            gpu = self.devices[0].platform == "gpu" and nd == 1 and available()
-            decode_attention = "pallas" if gpu else "xla"
+            gpu = self.devices[0].platform in kernels.AUTO_PLATFORMS and nd == 1 and available()
+            why = kernels.failure(self.devices[0]) if gpu else None
+            if why:  # this jax or GPU cannot run the kernels: XLA's paths, said once
+                print(
+                    f"JaxEngine: the Pallas kernels fail on {kind} ({why}); decoding with "
+                    "XLA's attention and sampling",
+                    file=sys.stderr,
+                )
+            decode_attention = "pallas" if gpu and not why else "xla"
         if (decode_attention == "pallas" or sample_kernel) and not available():
             raise ValueError(
                 f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel="
@@ -287,6 +297,12 @@ class JaxEngine:
             raise ValueError(
                 f"JaxEngine: sample_kernel=True runs on one device, got {nd}; valid with "
                 "several: None or False"
+            )
+        if asked and (why := kernels.failure(self.devices[0])):  # now, not at the first step
+            raise ValueError(
+                f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel="
+                f"{sample_kernel}: the Pallas kernels fail on {kind}: {why}; valid: "
+                "decode_attention 'auto' or 'xla', sample_kernel None or False"
             )
         c = model.config
         # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
