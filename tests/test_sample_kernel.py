@@ -130,9 +130,29 @@ def fresh_probe():
     kernels.failure.cache_clear()
 
 
-def test_kernel_probe_runs_both_kernels_on_this_device(fresh_probe):
-    """Both kernels compile (interpreted here) and run at the probe's tiny shapes."""
-    assert fresh_probe.failure(jax.devices()[0]) is None
+def _shapes(model):
+    """kernels.failure's arguments for a model on this machine's first device."""
+    c = model.config
+    G = c.num_attention_heads // c.num_key_value_heads
+    return jax.devices()[0], jnp.dtype(c.dtype), G, c.head_dim, c.vocab_size
+
+
+def test_kernel_probe_runs_both_kernels_on_this_device(fresh_probe, monkeypatch):
+    """Both kernels compile (interpreted here) and run at the model's head shapes and
+    vocabulary; the attention kernel only at shapes the model would run it for."""
+    from models import decode_attention as da
+
+    calls, real = [], da.decode_attention_qkv
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(da, "decode_attention_qkv", counted)
+    model = create_model(tiny())
+    assert fresh_probe.failure(*_shapes(model)) is None and len(calls) == 1
+    dev, dtype, _, _, vocab = _shapes(model)
+    assert fresh_probe.failure(dev, dtype, 17, 32, vocab) is None and len(calls) == 1  # G > 16
 
 
 def test_kernels_asked_for_that_fail_on_the_device_are_a_config_error_fake_lowering_fault(
@@ -144,9 +164,8 @@ def test_kernels_asked_for_that_fail_on_the_device_are_a_config_error_fake_lower
     from models import decode_attention as da
 
     monkeypatch.setattr(da, "decode_attention_qkv", _refuse)
-    why = fresh_probe.failure(jax.devices()[0])
-    assert why == f"NotImplementedError: {LOWERING_ERROR}"
     model = create_model(tiny())
+    assert fresh_probe.failure(*_shapes(model)) == f"NotImplementedError: {LOWERING_ERROR}"
     for kwargs in (dict(decode_attention="pallas"), dict(sample_kernel=True)):
         with pytest.raises(ValueError, match="the Pallas kernels fail on cpu: NotImplementedError"):
             JaxEngine(model, **kwargs)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -260,10 +261,13 @@ class JaxEngine:
         # The Pallas kernel runs on one GPU (a custom call the row-sharding does not split).
         kind = self.devices[0].device_kind
         asked = decode_attention == "pallas" or bool(sample_kernel)  # not by 'auto'
+        c = model.config
+        shapes = (compute, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
+        probe = functools.partial(kernels.failure, self.devices[0], *shapes, c.vocab_size)
         if decode_attention == "auto":
             gpu = self.devices[0].platform in kernels.AUTO_PLATFORMS and nd == 1 and available()
-            why = kernels.failure(self.devices[0]) if gpu else None
-            if why:  # this jax or GPU cannot run the kernels: XLA's paths, said once
+            why = probe() if gpu else None
+            if why:  # this jax or GPU cannot run the kernels: XLA's paths, and why
                 print(
                     f"JaxEngine: the Pallas kernels fail on {kind} ({why}); decoding with "
                     "XLA's attention and sampling",
@@ -298,13 +302,12 @@ class JaxEngine:
                 f"JaxEngine: sample_kernel=True runs on one device, got {nd}; valid with "
                 "several: None or False"
             )
-        if asked and (why := kernels.failure(self.devices[0])):  # now, not at the first step
+        if asked and (why := probe()):  # now, not at the first step
             raise ValueError(
                 f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel="
                 f"{sample_kernel}: the Pallas kernels fail on {kind}: {why}; valid: "
                 "decode_attention 'auto' or 'xla', sample_kernel None or False"
             )
-        c = model.config
         # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
         # costs no step time: it only grows (no relayouts back and forth, no programs per length).
         self.ragged = decode_attention == "pallas" and supported(

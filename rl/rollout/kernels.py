@@ -15,32 +15,34 @@ from rl.rollout import sample_kernel
 AUTO_PLATFORMS = ("gpu",)  # where decode_attention 'auto' takes the kernels (one device)
 
 
-def _probe(interpret: bool) -> None:
-    """Both kernels at tiny shapes (one row, two query heads, a 16-slot cache), results read."""
-    B, N, K, H, S = 1, 2, 1, 32, 16
-    qkv = jnp.ones((B, N + 2 * K, H), jnp.bfloat16)
-    rope = (jnp.ones((B, H), jnp.float32), jnp.zeros((B, H), jnp.float32))
-    cache = jnp.zeros((B, K, S, H), jnp.bfloat16)
-    pos = jnp.ones((B,), jnp.int32)
-    o, _, _ = jax.jit(
-        functools.partial(da.decode_attention_qkv, num_heads=N, k_pos=2, interpret=interpret)
-    )(qkv, rope, cache, cache, pos)
-    keys = jnp.zeros((B, 2), jnp.uint32)
-    tok, lp = jax.jit(functools.partial(sample_kernel.sample, interpret=interpret))(
-        jnp.zeros((B, 256), jnp.float32), keys, jnp.ones((B,), jnp.float32)
-    )
-    jax.block_until_ready((o, tok, lp))
+def _probe(dtype, group: int, head_dim: int, vocab: int, interpret: bool) -> None:
+    """Both kernels at the model's head shapes and vocabulary for one row and a 64-slot cache
+    (the attention kernel only where the model would run it), results read."""
+    N, K, H, S = group, 1, head_dim, 64
+    outs = []
+    if da.supported(dtype, N, K, H, S):
+        qkv = jnp.ones((1, N + 2 * K, H), dtype)
+        rope = (jnp.ones((1, H), jnp.float32), jnp.zeros((1, H), jnp.float32))
+        cache = jnp.zeros((1, K, S, H), dtype)
+        attend = functools.partial(
+            da.decode_attention_qkv, num_heads=N, k_pos=2, interpret=interpret
+        )
+        outs.append(jax.jit(attend)(qkv, rope, cache, cache, jnp.ones((1,), jnp.int32)))
+    draw = jax.jit(functools.partial(sample_kernel.sample, interpret=interpret))
+    outs.append(draw(jnp.zeros((1, vocab), dtype), jnp.zeros((1, 2), jnp.uint32), jnp.ones(1)))
+    jax.block_until_ready(outs)
 
 
 @functools.cache
-def failure(device: jax.Device) -> str | None:
-    """Why the kernels fail on this device (the error's type and first line), or None when they
-    compile and run; once per device and process."""
+def failure(device: jax.Device, dtype, group: int, head_dim: int, vocab: int) -> str | None:
+    """Why the kernels fail on this device for a model of this compute dtype, query heads per
+    kv head, head dim and vocabulary (the error's type and first line), or None when they
+    compile and run; once per device, shapes and process."""
     if not da.available():
         return f"jax {jax.__version__} has no Pallas Triton backend"
     try:
         with jax.default_device(device):
-            _probe(interpret=device.platform != "gpu")
+            _probe(jnp.dtype(dtype), group, head_dim, vocab, interpret=device.platform != "gpu")
     except Exception as e:  # any lowering, compile or launch error means: use XLA's paths
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return f"{type(e).__name__}: {first}"
