@@ -93,6 +93,7 @@ def print_result(values: dict, digits: int = 6) -> str:
     return line
 
 
+_GRID = re.compile(r"grid:(\d+),(\d+),(\d+)")  # in the trace's kernel_details of a launch
 _KERNEL_KINDS = (  # (kind, substrings of a GPU kernel's name), first match wins
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
     ("attention", ("fmha", "flash", "sdpa")),
@@ -101,9 +102,10 @@ _KERNEL_KINDS = (  # (kind, substrings of a GPU kernel's name), first match wins
 )
 
 
-def gpu_kernel_times(run, wait, calls: int = 1) -> dict:
+def gpu_kernel_times(run, wait, calls: int = 1, ctas: dict | None = None) -> dict:
     """{kernel name: [launches, total ms]} of the GPU kernels that `calls` calls of run() start,
-    from a jax.profiler trace (wait() returns what to block on afterwards); empty off a GPU."""
+    from a jax.profiler trace (wait() returns what to block on afterwards); empty off a GPU.
+    ctas, if given, gets each kernel's grid size in CTAs where the trace records it."""
     import glob
     import tempfile
 
@@ -126,6 +128,12 @@ def gpu_kernel_times(run, wait, calls: int = 1) -> dict:
                     for e in line.events:
                         kernels[e.name][0] += 1
                         kernels[e.name][1] += e.duration_ns / 1e6
+                        if ctas is not None:
+                            details = dict(e.stats).get("kernel_details")
+                            grid = _GRID.search(details) if isinstance(details, str) else None
+                            if grid:
+                                x, y, z = (int(g) for g in grid.groups())
+                                ctas[e.name] = x * y * z
     return dict(kernels)
 
 
@@ -133,9 +141,10 @@ def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step"
     """Device kernel time per `unit` (`steps` calls of step(), each `per` units) by kind
     (matmul, attention, elementwise fusion, copy) and the slowest kernels, from a jax.profiler
     trace; printed."""
+    ctas: dict = {}
     kernels = {
         name: [n, ms / (steps * per)]
-        for name, (n, ms) in gpu_kernel_times(step, state, steps).items()
+        for name, (n, ms) in gpu_kernel_times(step, state, steps, ctas).items()
     }
     if not kernels:
         print("profile: no GPU kernels in the trace")
@@ -152,4 +161,5 @@ def kernel_profile(step, state, steps: int = 2, per: int = 1, unit: str = "step"
         + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
     )
     for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:20]:
-        print(f"  {ms:8.3f} ms x{n / (steps * per):7.1f}  {name[:96]}")
+        grid = f"  [{ctas[name]} CTAs]" if name in ctas else ""  # waves: CTAs over the SMs
+        print(f"  {ms:8.3f} ms x{n / (steps * per):7.1f}  {name[:96]}{grid}")
