@@ -44,9 +44,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
-import functools
 import os
-import sys
 import threading
 import time
 import weakref
@@ -59,7 +57,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.decode_attention import available, supported
+from models.decode_attention import supported
 from models.transformer import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout import kernels, sample_kernel
@@ -258,33 +256,10 @@ class JaxEngine:
         nd = len(self.devices)
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
         accelerator = self.devices[0].platform != "cpu"
-        # The Pallas kernel runs on one GPU (a custom call the row-sharding does not split).
-        kind = self.devices[0].device_kind
-        asked = decode_attention == "pallas" or bool(sample_kernel)  # not by 'auto'
         c = model.config
-        shapes = (compute, c.num_attention_heads // c.num_key_value_heads, c.head_dim)
-        probe = functools.partial(kernels.failure, self.devices[0], *shapes, c.vocab_size)
-        if decode_attention == "auto":
-            gpu = self.devices[0].platform in kernels.AUTO_PLATFORMS and nd == 1 and available()
-            why = probe() if gpu else None
-            if why:  # this jax or GPU cannot run the kernels: XLA's paths, and why
-                print(
-                    f"JaxEngine: the Pallas kernels fail on {kind} ({why}); decoding with "
-                    "XLA's attention and sampling",
-                    file=sys.stderr,
-                )
-            decode_attention = "pallas" if gpu and not why else "xla"
-        if (decode_attention == "pallas" or sample_kernel) and not available():
-            raise ValueError(
-                f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel="
-                f"{sample_kernel} need Pallas's Triton backend, which jax {jax.__version__} "
-                "lacks; valid: decode_attention 'auto' or 'xla', sample_kernel None or False"
-            )
-        if decode_attention == "pallas" and nd > 1:
-            raise ValueError(
-                f"JaxEngine: decode_attention 'pallas' runs on one device, got {nd}; valid with "
-                "several: 'auto' or 'xla'"
-            )
+        decode_attention, sample_kernel = kernels.choose(
+            decode_attention, sample_kernel, self.devices, c, compute
+        )
         self.decode_attention = decode_attention
         self.interpret = self.devices[0].platform != "gpu"  # the Pallas kernels off a GPU: tests
         # The Pallas kernel reads keys with the head dim minor (a block of slots contiguous).
@@ -293,21 +268,8 @@ class JaxEngine:
         self.cache_rows = KVCache(k=per_layer, v=per_layer, k_pos=self.k_pos)
         # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
         self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
-        # Sampling as two Pallas kernels (rl.rollout.sample_kernel) where no row truncates; by
-        # default with the Pallas decode attention (interpreted off a GPU, for tests).
-        pallas = decode_attention == "pallas"
-        self.sample_kernel = pallas if sample_kernel is None else sample_kernel
-        if self.sample_kernel and nd > 1:
-            raise ValueError(
-                f"JaxEngine: sample_kernel=True runs on one device, got {nd}; valid with "
-                "several: None or False"
-            )
-        if asked and (why := probe()):  # now, not at the first step
-            raise ValueError(
-                f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel="
-                f"{sample_kernel}: the Pallas kernels fail on {kind}: {why}; valid: "
-                "decode_attention 'auto' or 'xla', sample_kernel None or False"
-            )
+        # Sampling as two Pallas kernels (rl.rollout.sample_kernel) where no row truncates.
+        self.sample_kernel = sample_kernel
         # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
         # costs no step time: it only grows (no relayouts back and forth, no programs per length).
         self.ragged = decode_attention == "pallas" and supported(

@@ -1,10 +1,12 @@
-"""Whether the JAX sampler's Pallas kernels (the decode attention and sampling) compile and run
-on a device: a jax can keep the Triton backend importable and still refuse to lower it, or a GPU
-can lack what the kernels need; the engine then falls back to XLA's paths before serving."""
+"""Which of the JAX sampler's Pallas kernels (the decode attention and sampling) an engine uses,
+and whether they compile and run on its device: a jax can keep the Triton backend importable and
+still refuse to lower it, or a GPU can lack what the kernels need; 'auto' then keeps XLA's paths
+and says why, before serving."""
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +49,48 @@ def failure(device: jax.Device, dtype, group: int, head_dim: int, vocab: int) ->
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return f"{type(e).__name__}: {first}"
     return None
+
+
+def choose(decode_attention: str, sample_kernel: bool | None, devices, config, compute):
+    """(decode_attention 'pallas' or 'xla', sample_kernel True or False) for an engine on these
+    devices serving a model of this config in the compute dtype; a ValueError naming what is
+    asked and why it cannot be, before any decoding. The kernels run on one device (a custom
+    call the row-sharding does not split); sample_kernel None follows the attention."""
+    device, nd = devices[0], len(devices)
+    group = config.num_attention_heads // config.num_key_value_heads
+    shapes = (compute, group, config.head_dim, config.vocab_size)
+    asked = decode_attention == "pallas" or bool(sample_kernel)  # not by 'auto'
+    if decode_attention == "auto":
+        use = device.platform in AUTO_PLATFORMS and nd == 1 and da.available()
+        why = failure(device, *shapes) if use else None
+        if why:  # this jax or GPU cannot run the kernels: XLA's paths, and why
+            print(
+                f"JaxEngine: the Pallas kernels fail on {device.device_kind} ({why}); decoding "
+                "with XLA's attention and sampling",
+                file=sys.stderr,
+            )
+        decode_attention = "pallas" if use and not why else "xla"
+    if (decode_attention == "pallas" or sample_kernel) and not da.available():
+        raise ValueError(
+            f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel={sample_kernel} "
+            f"need Pallas's Triton backend, which jax {jax.__version__} lacks; valid: "
+            "decode_attention 'auto' or 'xla', sample_kernel None or False"
+        )
+    if decode_attention == "pallas" and nd > 1:
+        raise ValueError(
+            f"JaxEngine: decode_attention 'pallas' runs on one device, got {nd}; valid with "
+            "several: 'auto' or 'xla'"
+        )
+    if sample_kernel and nd > 1:
+        raise ValueError(
+            f"JaxEngine: sample_kernel=True runs on one device, got {nd}; valid with "
+            "several: None or False"
+        )
+    if asked and (why := failure(device, *shapes)):  # now, not at the first decode step
+        raise ValueError(
+            f"JaxEngine: decode_attention={decode_attention!r}, sample_kernel={sample_kernel}: "
+            f"the Pallas kernels fail on {device.device_kind}: {why}; valid: "
+            "decode_attention 'auto' or 'xla', sample_kernel None or False"
+        )
+    pallas = decode_attention == "pallas"
+    return decode_attention, pallas if sample_kernel is None else bool(sample_kernel)
