@@ -118,6 +118,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.async_save = async_save
         self.in_flight: int | None = None  # the step an async save is writing
+        self.failed: set[int] = set()  # steps whose save failed: their leftovers go at close
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -196,18 +197,25 @@ class Checkpointer:
     def _failed(self, step: int | None, error: BaseException) -> CheckpointError:
         """Removes what a failed save of `step` left; the error naming it and what is kept."""
         self.in_flight = None
-        if step is not None and step not in self.manager.all_steps():
-            for left in glob.glob(self.step_dir(step) + ".orbax-checkpoint-tmp*"):
-                shutil.rmtree(left, ignore_errors=True)
-            for path in (self.groups_path(step), self.partials_path(step)):
-                if os.path.exists(path):
-                    os.remove(path)
+        if step is not None:
+            self.failed.add(step)
+            self._remove_leftovers(step)
         kept = sorted(self.manager.all_steps())
         return CheckpointError(
             f"checkpoint {self.step_dir(step) if step is not None else self.directory} was not "
             f"written: {type(error).__name__}: {error}; "
             f"committed checkpoints kept: {kept or 'none'}"
         )
+
+    def _remove_leftovers(self, step: int) -> None:
+        """Removes the temporary directory and files a failed save of an uncommitted step left."""
+        if step in self.manager.all_steps():
+            return
+        for left in glob.glob(self.step_dir(step) + ".orbax-checkpoint-tmp*"):
+            shutil.rmtree(left, ignore_errors=True)
+        for path in (self.groups_path(step), self.partials_path(step)):
+            if os.path.exists(path):
+                os.remove(path)
 
     def wait(self) -> None:
         """Returns once no save is in flight (the newest step is committed); raises
@@ -343,11 +351,14 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Waits for pending writes and closes the manager."""
+        """Waits for pending writes and closes the manager; then, with Orbax's threads done,
+        removes again what failed saves left (a writer of theirs can outlast the failure)."""
         try:
             self.wait()
         finally:
             self.manager.close()
+            for step in sorted(self.failed):
+                self._remove_leftovers(step)
 
 
 def layout() -> dict:
