@@ -271,3 +271,21 @@ def test_fake_enospc_write_fails_clearly_and_keeps_the_previous(tmp_path, fault,
     shutil.rmtree(f"{directory}/2")  # step 1, written before the fault, still restores
     os.remove(f"{directory}/groups_2.npz")
     assert_restores_step_1(directory, groups)
+
+
+def test_fake_late_write_into_a_failed_saves_tmp_directory_is_removed_at_close(tmp_path):
+    """A writer of Orbax's that outlasts a failed async save (simulated: a metadata file put into
+    the step's tmp directory after the failure was reported) leaves nothing once closed."""
+    directory = str(tmp_path / "ckpt")
+    ckpt, groups = two_checkpoints(directory, async_save=True)
+    with pytest.MonkeyPatch.context() as mp:
+        fail_commit_write(mp)
+        with pytest.raises(CheckpointError, match="was not written"):
+            ckpt.save(3, tiny_state(3), {"version": 3}, {g.group_id: g for g in groups[:3]})
+            ckpt.wait()
+    late = f"{directory}/3.orbax-checkpoint-tmp"
+    os.makedirs(late, exist_ok=True)
+    with open(f"{late}/_CHECKPOINT_METADATA", "w") as f:
+        f.write("{}")
+    ckpt.close()
+    assert sorted(os.listdir(directory)) == ["1", "2", "groups_1.npz", "groups_2.npz"]
