@@ -186,15 +186,14 @@ def test_auto_decodes_with_xla_when_the_kernels_fail_on_this_gpu_fake_lowering_f
 ):
     """A jax that cannot lower the Pallas kernels on this GPU (simulated: the kernel raises as
     jax's lowering does): 'auto' says why on stderr and generates with XLA's paths."""
+    from test_sample_kernel import refuse_lowering
+
     from models import decode_attention as da
     from rl.rollout import kernels
 
-    def refuse(*args, **kwargs):
-        raise NotImplementedError("Unimplemented primitive in Pallas Triton lowering: run_scoped")
-
     kernels.failure.cache_clear()
     try:
-        monkeypatch.setattr(da, "decode_attention_qkv", refuse)
+        monkeypatch.setattr(da, "decode_attention_qkv", refuse_lowering)
         engine = JaxEngine(_model(dtype="bfloat16"))
         assert engine.decode_attention == "xla" and not engine.sample_kernel
         err = capsys.readouterr().err

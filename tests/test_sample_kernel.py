@@ -115,7 +115,7 @@ def test_a_jax_without_pallas_triton_keeps_the_xla_paths(monkeypatch):
 LOWERING_ERROR = "Unimplemented primitive in Pallas Triton lowering: run_scoped"
 
 
-def _refuse(*args, **kwargs):
+def refuse_lowering(*args, **kwargs):
     """A kernel call failing as jax's lowering does when it cannot lower the kernel."""
     raise NotImplementedError(LOWERING_ERROR)
 
@@ -163,7 +163,7 @@ def test_kernels_asked_for_that_fail_on_the_device_are_a_config_error_fake_lower
     the device and the error, not at the first decode step; 'auto' off a GPU keeps XLA's."""
     from models import decode_attention as da
 
-    monkeypatch.setattr(da, "decode_attention_qkv", _refuse)
+    monkeypatch.setattr(da, "decode_attention_qkv", refuse_lowering)
     model = create_model(tiny())
     assert fresh_probe.failure(*_shapes(model)) == f"NotImplementedError: {LOWERING_ERROR}"
     for kwargs in (dict(decode_attention="pallas"), dict(sample_kernel=True)):
@@ -188,7 +188,7 @@ def test_auto_decodes_with_xla_when_the_kernels_fail_fake_gpu_platform_and_lower
     assert capsys.readouterr().err == ""
 
     fresh_probe.failure.cache_clear()
-    monkeypatch.setattr(da, "decode_attention_qkv", _refuse)
+    monkeypatch.setattr(da, "decode_attention_qkv", refuse_lowering)
     engine = JaxEngine(model)
     assert engine.decode_attention == "xla" and not engine.sample_kernel
     err = capsys.readouterr().err
