@@ -63,6 +63,8 @@ def _kernel(
     vn_ref,
     cos_ref,
     sin_ref,
+    x_ref,
+    bias_ref,
     k_ref,
     v_ref,
     o_ref,
@@ -76,10 +78,13 @@ def _kernel(
     v0,
     splits,
     k_pos,
+    eps,
 ):
     """Program (b, h[, p]): query rows q0 + h G .. of q_ref, key row k0 + h, value row v0 + h;
     with splits > 1, part p of the row's valid blocks, its unnormalized output and softmax
-    statistics written to o_ref [B, K, splits, HEADS_PAD, H] and stats (max, sum)."""
+    statistics written to o_ref [B, K, splits, HEADS_PAD, H] and stats (max, sum). With x_ref
+    (the layer's input [B, D]) the projection is of the unnormalized input with the norm's
+    weight folded in: each head is scaled by the row's 1/rms, then bias_ref's row is added."""
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2) if splits > 1 else 0
     H = q_ref.shape[-1]
@@ -94,13 +99,27 @@ def _kernel(
     in_group = (jnp.arange(HEADS_PAD) < G)[:, None]
     q = [plgpu.load(q_ref.at[b, rows, d], mask=in_group, other=0).astype(f32) for d in parts]
     kn = [kn_ref[b, k0 + h, d].astype(f32) for d in parts]
+    vn = vn_ref[b, v0 + h, :]
+    if x_ref is not None:  # the input norm, folded: 1/rms of the row, then the bias
+        D = x_ref.shape[-1]
+        Dp = pl.next_power_of_2(D)
+        row = plgpu.load(x_ref.at[b, pl.ds(0, Dp)], mask=jnp.arange(Dp) < D, other=0)
+        row = row.astype(f32)
+        scale_b = jax.lax.rsqrt(jnp.sum(row * row) / D + eps)
+        q, kn = [scale_b * y for y in q], [scale_b * y for y in kn]
+        vn = scale_b * vn.astype(f32)
+        if bias_ref is not None:
+            bq = [plgpu.load(bias_ref.at[rows, d], mask=in_group, other=0) for d in parts]
+            q = [y + c.astype(f32) for y, c in zip(q, bq)]
+            kn = [y + bias_ref[k0 + h, d].astype(f32) for y, d in zip(kn, parts)]
+            vn = vn + bias_ref[v0 + h, :].astype(f32)
     if cos_ref is not None:  # rotary here, as models.transformer.apply_rotary computes it
         cos, sin = cos_ref[b, parts[0]].astype(f32), sin_ref[b, parts[0]].astype(f32)
         rot = lambda lo, hi: (lo * cos - hi * sin, hi * cos + lo * sin)
         q, kn = list(rot(*q)), list(rot(*kn))
     q = [x.astype(dtype) for x in q]  # the dot operands in the compute dtype, as XLA's
     kn = [x.astype(dtype) for x in kn]
-    vn = vn_ref[b, v0 + h, :]
+    vn = vn.astype(vn_ref.dtype)
     # The current token, from registers: it starts the running softmax.
     m = sum(jnp.sum(x.astype(f32) * y.astype(f32)[None, :], axis=1) for x, y in zip(q, kn))
     m = m * scale  # [HEADS_PAD]
@@ -156,7 +175,7 @@ def _kernel(
         v_out[b, h, pl.ds(pos, 1), :] = vn.astype(v_out.dtype)[None, :]
 
 
-def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, k_pos, interpret):
+def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, k_pos, interpret, norm=None):
     if k_pos not in (2, 3):
         raise ValueError(f"decode_attention: k_pos={k_pos!r}; valid: 2, 3")
     B, H = q.shape[0], q.shape[-1]
@@ -164,12 +183,15 @@ def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, k_pos, int
     q0, k0, v0 = offsets
     P = max(1, min(SPLITS, S // _block(S)))
     G = N // K
+    x, bias, eps = norm if norm is not None else (None, None, 0.0)
+    eps = float(eps)  # a Python number: the kernel takes no traced constants
     kernel = functools.partial(
-        _kernel, block=_block(S), G=G, q0=q0, k0=k0, v0=v0, splits=P, k_pos=k_pos
+        _kernel, block=_block(S), G=G, q0=q0, k0=k0, v0=v0, splits=P, k_pos=k_pos, eps=eps
     )
     whole = pl.no_block_spec
     cos, sin = rope if rope is not None else (None, None)
-    n_in = 4 if rope is None else 6  # operands before the caches (None is no operand)
+    optional = (cos, sin, x, bias)
+    n_in = 4 + sum(a is not None for a in optional)  # operands before the caches
     f32 = jnp.float32
     if P == 1:
         o_shape = [jax.ShapeDtypeStruct((B, N, H), q.dtype)]
@@ -186,14 +208,14 @@ def _call(q, kn, vn, rope, k_cache, v_cache, positions_B, offsets, N, k_pos, int
     out = pl.pallas_call(
         kernel,
         grid=(B, K) if P == 1 else (B, K, P),
-        in_specs=[whole] * 4 + [whole if rope is not None else None] * 2 + [whole] * 2,
+        in_specs=[whole] * 4 + [None if a is None else whole for a in optional] + [whole] * 2,
         out_specs=[whole] * (len(o_shape) + 2),
         out_shape=o_shape[:1] + cache_shape + o_shape[1:],
         input_output_aliases={n_in: 1, n_in + 1: 2},  # the caches, updated in place
         compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
         interpret=interpret,
         name="tandem_decode_attention",
-    )(positions_B.astype(jnp.int32), q, kn, vn, cos, sin, k_cache, v_cache)
+    )(positions_B.astype(jnp.int32), q, kn, vn, *optional, k_cache, v_cache)
     o, k_cache, v_cache = out[:3]
     if P > 1:  # the parts' softmaxes combined: [B, K, HEADS_PAD, H] -> the group's rows
         m_part, l_part = out[3:]
@@ -217,11 +239,24 @@ def decode_attention(
 
 
 def decode_attention_qkv(
-    qkv_BXH, rope, k_cache, v_cache, positions_B, *, num_heads: int, k_pos: int = 3, interpret=False
+    qkv_BXH,
+    rope,
+    k_cache,
+    v_cache,
+    positions_B,
+    *,
+    num_heads: int,
+    k_pos: int = 3,
+    interpret=False,
+    norm=None,
 ):
     """decode_attention of the fused projection's raw output qkv [B, N + 2K, H] (q heads, then
     k, then v, before rotary), with rotary applied in the kernel: rope = (cos, sin) [B, H] of
-    models.transformer.rotary at the positions. Saves the split and rotary kernels per layer."""
+    models.transformer.rotary at the positions. Saves the split and rotary kernels per layer.
+
+    norm: (x [B, D], bias [N + 2K, H] or None, eps) when qkv projects the layer's unnormalized
+    input x with the input norm's weight folded into the kernel: each head is scaled by the
+    row's 1 / rms(x) and the bias added here, which saves the norm's kernel per layer."""
     N, K = num_heads, k_cache.shape[1]
     return _call(
         qkv_BXH,
@@ -235,4 +270,5 @@ def decode_attention_qkv(
         N,
         k_pos,
         interpret,
+        norm,
     )

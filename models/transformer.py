@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import decode_attention
+from models import decode_attention, decode_mlp
 from models.attention import attention
 from models.config import ModelConfig
 
@@ -44,9 +44,19 @@ class RMSNorm(nnx.Module):
         self.dtype = config.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        x32 = x.astype(jnp.float32) * self.inv_rms(x)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+    def inv_rms(self, x: jax.Array) -> jax.Array:
+        """1 / rms over the last axis, float32 [..., 1]: the norm without its weight."""
+        x32 = x.astype(jnp.float32)
+        return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+
+    def fold(self, kernel: jax.Array) -> jax.Array:
+        """kernel [D, out] with this norm's weight folded into its rows (rounded once):
+        norm(x) @ kernel == inv_rms(x) * (x @ fold(kernel)), one kernel fewer per use."""
+        w = self.weight[...].astype(jnp.float32)[:, None]
+        return (w * kernel.astype(jnp.float32)).astype(kernel.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,17 +154,27 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
 
-    def project(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array], fused=None):
+    def project(
+        self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array], fused=None, inv_rms=None
+    ):
         """(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) with q/k norms and rotary applied.
 
         fused: fused_qkv()'s (kernel, bias), one GEMM in place of three (decode steps).
+        inv_rms: [B, T, 1] when x is the unnormalized input and fused's kernel has the input
+        norm's weight folded in (fused_qkv(fold=...)): the GEMM's rows are scaled, then biased.
         """
         B, T, _ = x_BTD.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        dtype = self.q_proj.dtype
         if fused is None:
             q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         else:
-            y = _linear(x_BTD, *fused, self.q_proj.dtype)
+            w, bias = fused
+            if inv_rms is None:
+                y = _linear(x_BTD, w, bias, dtype)
+            else:
+                y = inv_rms * _linear(x_BTD, w, None, dtype).astype(jnp.float32)
+                y = (y if bias is None else y + bias.astype(jnp.float32)).astype(dtype)
             q, k, v = jnp.split(y, [N * H, (N + K) * H], axis=-1)
         q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         if self.q_norm is not None:
@@ -162,10 +182,12 @@ class Attention(nnx.Module):
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def fused_qkv(self) -> tuple[jax.Array, jax.Array | None]:
-        """The q, k and v kernels side by side [D, (N + 2K) H], and their biases (or None)."""
+    def fused_qkv(self, fold: RMSNorm | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """The q, k and v kernels side by side [D, (N + 2K) H] (with fold's weight folded in),
+        and their biases (or None)."""
         proj = (self.q_proj, self.k_proj, self.v_proj)
         w = jnp.concatenate([p.kernel[...] for p in proj], axis=1)
+        w = w if fold is None else fold.fold(w)
         if self.q_proj.bias is None:
             return w, None
         return w, jnp.concatenate([p.bias[...] for p in proj])
@@ -195,9 +217,21 @@ class MLP(nnx.Module):
             gate, up = jnp.split(_linear(x_BTD, fused, None, self.gate_proj.dtype), 2, axis=-1)
         return self.down_proj(jax.nn.silu(gate) * up)
 
-    def fused_gate_up(self) -> jax.Array:
-        """The gate and up kernels side by side [D, 2F]."""
-        return jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=1)
+    def folded(self, x_BTD, gate_up, norm: RMSNorm, activation=None) -> jax.Array:
+        """__call__ of the unnormalized input x with fused_gate_up(fold=norm)'s kernel: the
+        GEMM's rows scaled by norm.inv_rms(x) before the activation (float32 until h), or
+        `activation(gu [B, T, 2F], x) -> h [B, T, F]` doing both (the decode kernel)."""
+        dtype = self.gate_proj.dtype
+        gu = _linear(x_BTD, gate_up, None, dtype)
+        if activation is not None:
+            return self.down_proj(activation(gu, x_BTD))
+        gate, up = jnp.split(norm.inv_rms(x_BTD) * gu.astype(jnp.float32), 2, axis=-1)
+        return self.down_proj((jax.nn.silu(gate) * up).astype(dtype))
+
+    def fused_gate_up(self, fold: RMSNorm | None = None) -> jax.Array:
+        """The gate and up kernels side by side [D, 2F] (with fold's weight folded in)."""
+        w = jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=1)
+        return w if fold is None else fold.fold(w)
 
 
 class DecoderLayer(nnx.Module):
@@ -209,39 +243,55 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, "embed", config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config)
 
-    def __call__(self, x_BTD, rope, attend, fused=None):
+    def __call__(self, x_BTD, rope, attend, fused=None, folded: bool = False):
         """The block's output and whatever `attend(q, k, v) -> (o_BTNH, extra)` returned.
 
-        fused: fused()'s kernels (decode steps: fewer, larger GEMMs).
+        fused: fused()'s kernels (decode steps: fewer, larger GEMMs); folded: they are
+        fused(fold=True)'s, with the norms' weights in them.
         """
         qkv, gate_up = fused if fused is not None else (None, None)
         extra = []
 
         def attention(h_BTD):
-            o_BTNH, e = attend(*self.self_attn.project(h_BTD, rope, qkv))
+            inv_rms = self.input_layernorm.inv_rms(h_BTD) if folded else None
+            o_BTNH, e = attend(*self.self_attn.project(h_BTD, rope, qkv, inv_rms))
             extra.append(e)
             return o_BTNH
 
-        return self._residual(x_BTD, attention, gate_up), extra[0]
+        return self._residual(x_BTD, attention, gate_up, folded), extra[0]
 
-    def decode_step(self, x_BTD, attend_qkv, fused):
+    def decode_step(self, x_BTD, attend_qkv, fused, folded: bool = False, activation=None):
         """The block with fused() kernels and an attention that takes the fused q/k/v
-        projection's raw output: `attend_qkv(qkv [B, T, (N + 2K) H]) -> o [B, T, N, H]` applies
-        rotary and splits the heads itself (the decode kernel, one call instead of several)."""
+        projection's raw output: `attend_qkv(qkv [B, T, (N + 2K) H], norm) -> o [B, T, N, H]`
+        applies rotary and splits the heads itself (the decode kernel, one call instead of
+        several). folded (fused(fold=True)'s kernels): qkv projects the unnormalized input and
+        norm = (x, bias, eps) for attend_qkv to finish the input norm and add the bias; the
+        MLP's activation then as in MLP.folded."""
         (w, bias), gate_up = fused
         dtype = self.self_attn.q_proj.dtype
-        return self._residual(x_BTD, lambda h: attend_qkv(_linear(h, w, bias, dtype)), gate_up)
+        if not folded:
+            attention = lambda h: attend_qkv(_linear(h, w, bias, dtype), None)
+        else:
+            norm = lambda x: (x, bias, self.input_layernorm.eps)
+            attention = lambda x: attend_qkv(_linear(x, w, None, dtype), norm(x))
+        return self._residual(x_BTD, attention, gate_up, folded, activation)
 
-    def _residual(self, x_BTD, attention, gate_up):
-        """x + o_proj(attention(norm(x))), then x + mlp(norm(x))."""
+    def _residual(self, x_BTD, attention, gate_up, folded: bool = False, activation=None):
+        """x + o_proj(attention(norm(x))), then x + mlp(norm(x)); folded: the norms' weights
+        are in the kernels, attention takes x itself and the MLP scales its GEMM's rows."""
         B, T, _ = x_BTD.shape
-        o_BTNH = attention(self.input_layernorm(x_BTD))
+        o_BTNH = attention(x_BTD if folded else self.input_layernorm(x_BTD))
         x_BTD = x_BTD + self.self_attn.o_proj(o_BTNH.reshape(B, T, -1))
+        if folded:
+            norm = self.post_attention_layernorm
+            return x_BTD + self.mlp.folded(x_BTD, gate_up, norm, activation)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), gate_up)
 
-    def fused(self) -> tuple:
-        """((qkv kernel, bias), gate/up kernel): the projections that share an input, fused."""
-        return self.self_attn.fused_qkv(), self.mlp.fused_gate_up()
+    def fused(self, fold: bool = False) -> tuple:
+        """((qkv kernel, bias), gate/up kernel): the projections that share an input, fused;
+        fold: with the norm before each folded into its kernel (RMSNorm.fold)."""
+        norms = (self.input_layernorm, self.post_attention_layernorm) if fold else (None, None)
+        return self.self_attn.fused_qkv(norms[0]), self.mlp.fused_gate_up(norms[1])
 
 
 class Decoder(nnx.Module):
@@ -469,7 +519,14 @@ class Transformer(nnx.Module):
 
     @_precise
     def prefill(
-        self, tokens, lengths, cache: KVCache, *, last_only: bool = False, layers=None
+        self,
+        tokens,
+        lengths,
+        cache: KVCache,
+        *,
+        last_only: bool = False,
+        layers=None,
+        folded: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """Logits[B, T, V] of right-padded prompts tokens[B, T] with lengths[B] real tokens,
         and the cache with slots [0, T) written: row b's first lengths[b] hold its keys and
@@ -477,7 +534,8 @@ class Transformer(nnx.Module):
 
         last_only: return only each row's last-token logits [B, V] (what sampling needs).
         layers: per_layer()'s modules and fused kernels (a sampler's serving layout): the
-        layers unrolled over them instead of scanned over the stacked parameters.
+        layers unrolled over them instead of scanned over the stacked parameters; folded: they
+        are per_layer(fold=True)'s.
         """
         B, T = tokens.shape
         if T > cache.max_len:
@@ -501,7 +559,7 @@ class Transformer(nnx.Module):
         else:
             kv = []
             for layer, fused in layers:
-                x_BTD, kv_i = layer(x_BTD, rope, attend, fused)
+                x_BTD, kv_i = layer(x_BTD, rope, attend, fused, folded)
                 kv.append(kv_i)
             k_LBTKH, v_LBTKH = (jnp.stack(a) for a in zip(*kv))
         h_BTD = self.model.norm(x_BTD)
@@ -517,9 +575,12 @@ class Transformer(nnx.Module):
             return self._logits(h_B1D)[:, 0], cache
         return self._logits(h_BTD), cache
 
-    def per_layer(self, serving: bool = False) -> list[tuple[DecoderLayer, tuple]]:
+    def per_layer(
+        self, serving: bool = False, fold: bool = False
+    ) -> list[tuple[DecoderLayer, tuple]]:
         """Each decoder layer as its own module (slices of the stacked parameters) with its
-        fused projection kernels (DecoderLayer.fused).
+        fused projection kernels (DecoderLayer.fused, with the norms' weights in them when
+        fold: then prefill and decode take folded=True).
 
         serving: the unfused q/k/v and gate/up kernels and biases are left empty (decode and
         prefill with the fused kernels never read them), so a sampler that keeps this layout
@@ -534,7 +595,7 @@ class Transformer(nnx.Module):
             )
             for i in range(n)
         ]
-        out = [(layer, layer.fused()) for layer in layers]
+        out = [(layer, layer.fused(fold)) for layer in layers]
         if serving:
             for layer, _ in out:
                 a, m = layer.self_attn, layer.mlp
@@ -553,6 +614,7 @@ class Transformer(nnx.Module):
         layers=None,
         attention: str = "xla",
         interpret: bool | None = None,
+        folded: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """Next-token logits[B, V] for tokens[B] at positions[B], each written to its own slot.
 
@@ -564,6 +626,7 @@ class Transformer(nnx.Module):
         only the valid slots, where it applies).
         interpret: run that kernel in Pallas's interpreter (tests off a GPU); None: when the
         default backend is not a GPU (a caller placing work on other devices says which).
+        folded: layers are per_layer(fold=True)'s (the kernel then also finishes the input norm).
         """
         if attention not in ("xla", "pallas"):
             raise ValueError(f"decode: attention={attention!r}; valid: 'xla', 'pallas'")
@@ -587,7 +650,11 @@ class Transformer(nnx.Module):
         for i, (layer, fused) in enumerate(layers):
             if in_kernel_rope:
 
-                def attend_qkv(qkv_B1X, i=i):
+                def attend_qkv(qkv_B1X, norm, i=i):
+                    if norm is not None:  # (x [B, 1, D], bias [X H] or None, eps)
+                        x, bias, eps = norm
+                        bias = None if bias is None else bias.reshape(-1, H)
+                        norm = (x.reshape(B, -1), bias, eps)
                     o, ks[i], vs[i] = decode_attention.decode_attention_qkv(
                         qkv_B1X.reshape(B, -1, H),
                         rope_BH,
@@ -597,10 +664,18 @@ class Transformer(nnx.Module):
                         num_heads=N,
                         k_pos=cache.k_pos,
                         interpret=interpret,
+                        norm=norm,
                     )
                     return o[:, None]
 
-                x_B1D = layer.decode_step(x_B1D, attend_qkv, fused)
+                def activation(gu_B1X, x_B1D, eps=layer.post_attention_layernorm.eps):
+                    h = decode_mlp.folded_activation(
+                        gu_B1X.reshape(B, -1), x_B1D.reshape(B, -1), eps, interpret=interpret
+                    )
+                    return h[:, None]
+
+                act = activation if folded else None
+                x_B1D = layer.decode_step(x_B1D, attend_qkv, fused, folded, act)
                 continue
 
             def attend(q, k, v, i=i):
@@ -622,6 +697,6 @@ class Transformer(nnx.Module):
                 o = xla_decode_attention(q[:, 0], ks[i], vs[i], valid_BS, cache.k_pos)
                 return o[:, None], None
 
-            x_B1D, _ = layer(x_B1D, rope, attend, fused)
+            x_B1D, _ = layer(x_B1D, rope, attend, fused, folded)
         logits_BV = self._logits(self.model.norm(x_B1D))[:, 0]
         return logits_BV, KVCache(k=tuple(ks), v=tuple(vs), k_pos=cache.k_pos)

@@ -128,3 +128,35 @@ def test_decode_runs_the_kernel_as_the_caller_says():
     with pytest.raises(ValueError, match="interpret mode"):
         model.decode(tok, pos, cache, attention="pallas", interpret=False)
     assert JaxEngine(model, decode_attention="pallas").interpret  # its device is a CPU
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kernel_finishing_the_input_norm_matches_the_xla_path(with_bias):
+    """decode_attention_qkv of x @ (the input norm's weight folded into the kernel), given x
+    and the bias: each head scaled by the row's 1/rms(x), biased, then rotary and attention,
+    against those steps in XLA (float32; a hidden size of 96, not a power of two, so the
+    kernel's masked load of the row is exercised)."""
+    B, K, G, H, S, D = 4, 2, 7, 64, 128, 96
+    N, X = K * G, K * G + 2 * K
+    rng = np.random.default_rng(3)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    x, w = 3.0 * arr(B, D), arr(D, X * H) / np.sqrt(D)
+    bias = arr(X, H) if with_bias else None
+    kc, vc = arr(B, K, S, H), arr(B, K, S, H)
+    pos = jnp.asarray([0, 63, 64, 127], jnp.int32)
+    eps = 1e-6
+    raw = jnp.dot(x, w, precision="highest").reshape(B, X, H)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)[:, None, None]
+    qkv = inv_rms * raw + (0.0 if bias is None else bias)
+    config = tiny(head_dim=H, hidden_size=4 * H, rope_theta=10000.0)  # rotary only
+    cos, sin = rotary(config, pos[:, None])
+    q, k, v = qkv[:, :N], qkv[:, N : N + K], qkv[:, N + K :]
+    q, k = (apply_rotary(a[:, None], cos, sin)[:, 0] for a in (q, k))
+    want_o, want_k, want_v = _xla(q, k, v, kc, vc, pos, 2)
+    rope = (cos.reshape(B, H), sin.reshape(B, H))
+    o, k2, v2 = decode_attention_qkv(
+        raw, rope, kc, vc, pos, num_heads=N, k_pos=2, interpret=True, norm=(x, bias, eps)
+    )
+    assert np.abs(np.asarray(o) - np.asarray(want_o)).max() < 1e-5
+    assert np.abs(np.asarray(k2) - np.asarray(want_k)).max() < 1e-5
+    assert np.abs(np.asarray(v2) - np.asarray(want_v)).max() < 1e-5

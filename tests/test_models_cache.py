@@ -22,6 +22,19 @@ CONFIGS = {
 def test_prefill_then_decode_matches_full_forward(name, attention, k_pos):
     """Also with the Pallas decode kernel (interpreted on a CPU), and with keys laid out
     [B, K, S, H] (k_pos 2, the kernel's) as well as [B, K, H, S]: float32 stays float32."""
+    _prefill_then_decode(name, attention, k_pos, fold=False)
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_folded_norms_prefill_then_decode_matches_full_forward(name, attention):
+    """The sampler's layout with the norms' weights folded into the q/k/v and gate/up kernels
+    (per_layer(fold=True)): the same logits within 1e-5 in float32, with the kernel finishing
+    the input norm (qwen2) and with XLA's steps."""
+    _prefill_then_decode(name, attention, 2, fold=True)
+
+
+def _prefill_then_decode(name, attention, k_pos, fold):
     config = CONFIGS[name]
     model = randomize(create_model(config, seed=1))
     rng = np.random.RandomState(0)
@@ -36,8 +49,13 @@ def test_prefill_then_decode_matches_full_forward(name, attention, k_pos):
     ref = np.asarray(forward(model, jnp.asarray(full)))  # rows right-padded by other tokens
     assert np.abs(ref).max() > 1.0
 
-    prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
-    decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, attention=attention))
+    if fold:
+        layers = lambda m: m.per_layer(fold=True)
+        prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c, layers=layers(m), folded=True))
+        decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, layers(m), attention, folded=True))
+    else:
+        prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
+        decode = nnx.jit(lambda m, t, p, c: m.decode(t, p, c, attention=attention))
     cache = init_cache(config, B, S, k_pos=k_pos)
     logits, cache = prefill(model, jnp.asarray(prompts), jnp.asarray(lengths), cache)
     assert logits.dtype == jnp.float32 and logits.shape == (B, T_prompt, config.vocab_size)

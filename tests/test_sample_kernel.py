@@ -134,7 +134,7 @@ def _shapes(model):
     """kernels.failure's arguments for a model on this machine's first device."""
     c = model.config
     G = c.num_attention_heads // c.num_key_value_heads
-    return jax.devices()[0], jnp.dtype(c.dtype), G, c.head_dim, c.vocab_size
+    return jax.devices()[0], jnp.dtype(c.dtype), G, c.head_dim, c.vocab_size, c.hidden_size
 
 
 def test_kernel_probe_runs_both_kernels_on_this_device(fresh_probe, monkeypatch):
@@ -151,8 +151,9 @@ def test_kernel_probe_runs_both_kernels_on_this_device(fresh_probe, monkeypatch)
     monkeypatch.setattr(da, "decode_attention_qkv", counted)
     model = create_model(tiny())
     assert fresh_probe.failure(*_shapes(model)) is None and len(calls) == 1
-    dev, dtype, _, _, vocab = _shapes(model)
-    assert fresh_probe.failure(dev, dtype, 17, 32, vocab) is None and len(calls) == 1  # G > 16
+    dev, dtype, _, _, vocab, hidden = _shapes(model)
+    # 17 query heads a kv head (more than HEADS_PAD): the attention kernel is not tried
+    assert fresh_probe.failure(dev, dtype, 17, 32, vocab, hidden) is None and len(calls) == 1
 
 
 def test_kernels_asked_for_that_fail_on_the_device_are_a_config_error_fake_lowering_fault(

@@ -115,6 +115,34 @@ def test_served_weights_are_the_weights_given(model_type):
     eng.close()
 
 
+@pytest.mark.parametrize("dtype, bits", [("float32", 24), ("bfloat16", 8)])
+def test_served_weights_with_folded_norms_are_within_one_rounding(dtype, bits):
+    """With the decode kernel (interpreted here) the layout folds each norm's weight into the
+    q/k/v and gate/up kernels; served_params() divides it out again: those kernels within two
+    roundings of the weights given (one each way), every other weight exactly."""
+    cfg = tiny(dtype=dtype, param_dtype=dtype)
+    model = randomize(create_model(cfg, seed=1), seed=1)
+    eng = JaxEngine(model, decode_attention="pallas")
+    assert eng.fold_norms
+    flat = lambda p: {
+        jax.tree_util.keystr(k): np.asarray(v, np.float32)
+        for k, v in jax.tree.flatten_with_path(nnx.to_pure_dict(p))[0]
+    }
+    got, want = flat(eng.served_params()), flat(nnx.state(model, nnx.Param))
+    assert got.keys() == want.keys()
+    folded = ("q_proj']['kernel", "k_proj']['kernel", "v_proj']['kernel", "gate_proj", "up_proj")
+    n_folded = 0
+    for k, w in want.items():
+        if any(f in k for f in folded):
+            n_folded += 1
+            # two roundings of unit 2^-bits (the fold and its inverse)
+            np.testing.assert_allclose(got[k], w, rtol=2.01 * 2.0**-bits, atol=0, err_msg=k)
+        else:
+            np.testing.assert_array_equal(got[k], w, err_msg=k)
+    assert n_folded == 5
+    eng.close()
+
+
 def test_weights_served_in_the_compute_dtype():
     """float32 master weights with bfloat16 compute are served (and copied) as bfloat16: the
     same tokens and log-probs, bit for bit, as an engine given bfloat16 weights."""

@@ -249,8 +249,6 @@ class JaxEngine:
         self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
         self.traces = 0  # programs traced (compilations): prefill, insert, relayout, decode, serve
         self.warm_traces = 0  # of those, traced by warm() before serving
-        self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
-        self.params = self._serve(self._own(self._cast(params)))
         self.version = version
         self.chunk = chunk
         nd = len(self.devices)
@@ -276,6 +274,12 @@ class JaxEngine:
             c.dtype, c.num_attention_heads, c.num_key_value_heads, c.head_dim, LEN_BUCKETS[0]
         )
         self._floor = LEN_BUCKETS[0]  # the shortest cache the scheduler allocates (see warm)
+        # The norms' weights folded into the q/k/v and gate/up kernels where the attention
+        # kernel finishes the input norm (two kernels fewer a layer); not for float16, whose
+        # range the unnormalized input's GEMM could exceed.
+        self.fold_norms = self.ragged and not c.qk_norm and jnp.dtype(c.dtype) != jnp.float16
+        self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
+        self.params = self._serve(self._own(self._cast(params)))
         self.overlap = accelerator if overlap is None else overlap
         # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
         # condition may wait on the host each step) is kept to the CPU by default.
@@ -417,13 +421,15 @@ class JaxEngine:
         layers' graphdef (static)."""
         self.traces += 1
         model = nnx.merge(self.graphdef, params, self.rest)
-        head, layers, self._layer_def = serving_layout(model)
+        head, layers, self._layer_def = serving_layout(model, self.fold_norms)
         return head, layers
 
     def served_params(self):
         """The served weights as the model's params tree (the layers stacked back, the fused
         kernels split): what update_weights took, for callers that compare weights."""
-        return params_of_layout(self.params, self._layer_def, self.config, self._template)
+        return params_of_layout(
+            self.params, self._layer_def, self.config, self._template, self.fold_norms
+        )
 
     def _model(self, params):
         """(model, per-layer modules and fused kernels) of _serve_impl's weights."""
@@ -444,6 +450,7 @@ class JaxEngine:
             self._new_cache(b, T),
             last_only=True,
             layers=layers,
+            folded=self.fold_norms,
         )
         keys0 = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
         tok, lp = sample(process_logits(last, temp, top_k, top_p, truncate), keys0, temp)
@@ -504,7 +511,13 @@ class JaxEngine:
         def one(i, c):
             cache, tok, pos, n, done, toks, lps = c
             logits, cache = model.decode(
-                tok, pos, cache, layers, self.decode_attention, interpret=self.interpret
+                tok,
+                pos,
+                cache,
+                layers,
+                self.decode_attention,
+                interpret=self.interpret,
+                folded=self.fold_norms,
             )
             keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
             if self.sample_kernel and not truncate:

@@ -1,7 +1,7 @@
-"""Which of the JAX sampler's Pallas kernels (the decode attention and sampling) an engine uses,
-and whether they compile and run on its device: a jax can keep the Triton backend importable and
-still refuse to lower it, or a GPU can lack what the kernels need; 'auto' then keeps XLA's paths
-and says why, before serving."""
+"""Which of the JAX sampler's Pallas kernels (the decode attention and activation, sampling) an
+engine uses, and whether they compile and run on its device: a jax can keep the Triton backend
+importable and still refuse to lower it, or a GPU can lack what the kernels need; 'auto' then
+keeps XLA's paths and says why, before serving."""
 
 from __future__ import annotations
 
@@ -12,39 +12,60 @@ import jax
 import jax.numpy as jnp
 
 from models import decode_attention as da
+from models import decode_mlp
 from rl.rollout import sample_kernel
 
 AUTO_PLATFORMS = ("gpu",)  # where decode_attention 'auto' takes the kernels (one device)
 
 
-def _probe(dtype, group: int, head_dim: int, vocab: int, interpret: bool) -> None:
-    """Both kernels at the model's head shapes and vocabulary for one row and a 64-slot cache
-    (the attention kernel only where the model would run it), results read."""
+def _probe(dtype, group: int, head_dim: int, vocab: int, hidden: int, interpret: bool) -> None:
+    """The kernels at the model's head shapes, hidden size and vocabulary for one row and a
+    64-slot cache (the decode attention and activation only where the model would run them,
+    finishing the norms as with folded norms; sampling always), results read."""
     N, K, H, S = group, 1, head_dim, 64
     outs = []
     if da.supported(dtype, N, K, H, S):
         qkv = jnp.ones((1, N + 2 * K, H), dtype)
         rope = (jnp.ones((1, H), jnp.float32), jnp.zeros((1, H), jnp.float32))
         cache = jnp.zeros((1, K, S, H), dtype)
-        attend = functools.partial(
-            da.decode_attention_qkv, num_heads=N, k_pos=2, interpret=interpret
-        )
-        outs.append(jax.jit(attend)(qkv, rope, cache, cache, jnp.ones((1,), jnp.int32)))
+        x, bias = jnp.ones((1, hidden), dtype), jnp.zeros((N + 2 * K, H), dtype)
+
+        @jax.jit
+        def attend(qkv, rope, cache, pos, x, bias):
+            return da.decode_attention_qkv(
+                qkv,
+                rope,
+                cache,
+                cache,
+                pos,
+                num_heads=N,
+                k_pos=2,
+                interpret=interpret,
+                norm=(x, bias, 1e-6),
+            )
+
+        outs.append(attend(qkv, rope, cache, jnp.ones((1,), jnp.int32), x, bias))
+        F = decode_mlp.BLOCK + 1  # any width runs the same code; one past a block: the mask
+        act = functools.partial(decode_mlp.folded_activation, eps=1e-6, interpret=interpret)
+        outs.append(jax.jit(act)(jnp.ones((1, 2 * F), dtype), x))
     draw = jax.jit(functools.partial(sample_kernel.sample, interpret=interpret))
     outs.append(draw(jnp.zeros((1, vocab), dtype), jnp.zeros((1, 2), jnp.uint32), jnp.ones(1)))
     jax.block_until_ready(outs)
 
 
 @functools.cache
-def failure(device: jax.Device, dtype, group: int, head_dim: int, vocab: int) -> str | None:
+def failure(
+    device: jax.Device, dtype, group: int, head_dim: int, vocab: int, hidden: int
+) -> str | None:
     """Why the kernels fail on this device for a model of this compute dtype, query heads per
-    kv head, head dim and vocabulary (the error's type and first line), or None when they
-    compile and run; once per device, shapes and process."""
+    kv head, head dim, vocabulary and hidden size (the error's type and first line), or None
+    when they compile and run; once per device, shapes and process."""
     if not da.available():
         return f"jax {jax.__version__} has no Pallas Triton backend"
     try:
         with jax.default_device(device):
-            _probe(jnp.dtype(dtype), group, head_dim, vocab, interpret=device.platform != "gpu")
+            shapes = (group, head_dim, vocab, hidden)
+            _probe(jnp.dtype(dtype), *shapes, interpret=device.platform != "gpu")
     except Exception as e:  # any lowering, compile or launch error means: use XLA's paths
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return f"{type(e).__name__}: {first}"
@@ -58,7 +79,7 @@ def choose(decode_attention: str, sample_kernel: bool | None, devices, config, c
     call the row-sharding does not split); sample_kernel None follows the attention."""
     device, nd = devices[0], len(devices)
     group = config.num_attention_heads // config.num_key_value_heads
-    shapes = (compute, group, config.head_dim, config.vocab_size)
+    shapes = (compute, group, config.head_dim, config.vocab_size, config.hidden_size)
     asked = decode_attention == "pallas" or bool(sample_kernel)  # not by 'auto'
     if decode_attention == "auto":
         use = device.platform in AUTO_PLATFORMS and nd == 1 and da.available()

@@ -22,12 +22,17 @@ def _is_param(x) -> bool:
     return isinstance(x, nnx.Param)
 
 
-def serving_layout(model):
+def _unfold(kernel, norm):
+    g = norm.weight[...].astype(jnp.float32)[:, None]
+    return (kernel.astype(jnp.float32) / g).astype(kernel.dtype)
+
+
+def serving_layout(model, fold: bool = False):
     """(head, layers, layer graphdef) of a model (traced: call under jit). layers are
-    per_layer(serving=True)'s (state, fused kernels) of every decoder layer; head is the rest
-    (embedding, final norm, LM head), the stacked layer weights left empty."""
+    per_layer(serving=True, fold)'s (state, fused kernels) of every decoder layer; head is the
+    rest (embedding, final norm, LM head), the stacked layer weights left empty."""
     layers, layer_def = [], None
-    for layer, fused in model.per_layer(serving=True):
+    for layer, fused in model.per_layer(serving=True, fold=fold):
         layer_def, state = nnx.split(layer)
         layers.append((state, fused))
     for p in jax.tree.leaves(nnx.state(model.model.layers, nnx.Param), is_leaf=_is_param):
@@ -35,9 +40,11 @@ def serving_layout(model):
     return nnx.state(model, nnx.Param), layers, layer_def
 
 
-def params_of_layout(params, layer_def, config, template):
+def params_of_layout(params, layer_def, config, template, folded: bool = False):
     """serving_layout's (head, layers) as the model's params tree shaped like `template`
-    (the layers stacked back, the fused kernels split): host copies, for comparisons."""
+    (the layers stacked back, the fused kernels split): host copies, for comparisons. folded
+    kernels are divided by their norm's weight again: within one rounding of the weights given
+    (exact without folding), and not finite where a norm weight is 0."""
     head, layers = params
     nq, nk = (
         config.num_attention_heads * config.head_dim,
@@ -47,6 +54,9 @@ def params_of_layout(params, layer_def, config, template):
     for st, ((w, b), gate_up) in layers:
         layer = nnx.merge(layer_def, st)
         a, m = layer.self_attn, layer.mlp
+        if folded:
+            w = _unfold(w, layer.input_layernorm)
+            gate_up = _unfold(gate_up, layer.post_attention_layernorm)
         cols = ((0, nq), (nq, nq + nk), (nq + nk, None))
         for proj, (lo, hi) in zip((a.q_proj, a.k_proj, a.v_proj), cols):
             proj.kernel.set_value(w[:, lo:hi])
