@@ -192,30 +192,36 @@ def test_folded_norms_decode_matches_xla():
     prompts = jnp.asarray(rng.randint(0, SHAPE["vocab_size"], (B, 20)), jnp.int32)
     feed = rng.randint(0, SHAPE["vocab_size"], (steps, B)).astype(np.int32)
 
-    @nnx.jit(static_argnames=("fold",))
+    layers = lambda m, fold: m.per_layer(fold=fold)
+    prefill = nnx.jit(
+        lambda m, t, n, c, fold: m.prefill(t, n, c, layers=layers(m, fold), folded=fold),
+        static_argnames=("fold",),
+    )
+    decode = nnx.jit(
+        lambda m, t, p, c, fold: m.decode(
+            t, p, c, layers(m, fold), "pallas" if fold else "xla", folded=fold
+        ),
+        static_argnames=("fold",),
+    )
+
     def steps_of(model, fold):
-        layers = model.per_layer(fold=fold)
-        cache = init_cache(model.config, B, S, k_pos=2)
-        _, cache = model.prefill(prompts, lengths, cache, layers=layers, folded=fold)
+        _, cache = prefill(model, prompts, lengths, init_cache(model.config, B, S, k_pos=2), fold)
         out = []
         for i in range(steps):
-            attention = "pallas" if fold else "xla"
-            logits, cache = model.decode(
-                jnp.asarray(feed[i]), lengths + i, cache, layers, attention, folded=fold
-            )
-            out.append(logits)
-        return jnp.stack(out)
+            logits, cache = decode(model, jnp.asarray(feed[i]), lengths + i, cache, fold)
+            out.append(np.asarray(logits))
+        return np.stack(out)
 
     ref = _model(dtype="float32")
     leaves, treedef = jax.tree.flatten_with_path(nnx.state(ref, nnx.Param))
     norm = lambda path, x: "norm" in jax.tree_util.keystr(path)
     noise = lambda x: 1 + 0.2 * jax.random.normal(jax.random.key(4), x.shape, x.dtype)
     nnx.update(ref, jax.tree.unflatten(treedef, [noise(x) if norm(p, x) else x for p, x in leaves]))
-    want = np.asarray(steps_of(ref, False))
-    assert np.abs(np.asarray(steps_of(ref, True)) - want).max() < 1e-5
+    want = steps_of(ref, False)
+    assert np.abs(steps_of(ref, True) - want).max() < 1e-5
     bf16 = _same_params(_model(dtype="bfloat16"), ref)
-    err_xla = np.abs(np.asarray(steps_of(bf16, False)) - want).max()
-    err_folded = np.abs(np.asarray(steps_of(bf16, True)) - want).max()
+    err_xla = np.abs(steps_of(bf16, False) - want).max()
+    err_folded = np.abs(steps_of(bf16, True) - want).max()
     assert err_folded < max(2 * err_xla, 1e-2), (err_folded, err_xla)
     assert JaxEngine(bf16).fold_norms
 
