@@ -555,6 +555,8 @@ class Transformer(nnx.Module):
 
         x_BTD = self.model.embed_tokens(tokens)
         if layers is None:
+            if folded:
+                raise ValueError("prefill: folded=True needs layers=per_layer(fold=True)")
             x_BTD, (k_LBTKH, v_LBTKH) = _scan_layers(self.model.layers, body, x_BTD)
         else:
             kv = []
@@ -634,6 +636,8 @@ class Transformer(nnx.Module):
         rope = rotary(self.config, positions[:, None])
         valid_BS = jnp.arange(S)[None, :] <= positions[:, None]
         if layers is None:
+            if folded:
+                raise ValueError("decode: folded=True needs layers=per_layer(fold=True)")
             layers = self.per_layer()
         ks, vs = list(cache.k), list(cache.v)
         x_B1D = self.model.embed_tokens(tokens[:, None])
