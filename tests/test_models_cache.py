@@ -154,3 +154,14 @@ def test_decode_writes_the_cache_in_place(tiny_model):
         and "scatter" not in line
     ]
     assert not moved, moved[:3]
+
+
+def test_folded_without_the_folded_layers_is_refused(tiny_model):
+    """folded=True with the stacked (unfolded) weights would drop the norms' weights."""
+    config, model = tiny_model.config, tiny_model
+    cache = init_cache(config, 2, 16)
+    tokens = jnp.ones((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match="folded=True needs layers=per_layer"):
+        model.prefill(tokens, jnp.asarray([4, 2]), cache, folded=True)
+    with pytest.raises(ValueError, match="folded=True needs layers=per_layer"):
+        model.decode(tokens[:, 0], jnp.asarray([4, 2]), cache, folded=True)
