@@ -9,8 +9,9 @@ from models.hf import (
     save_hf_tensors,
     to_hf_tensors,
 )
+from models.kv_cache import KVCache, init_cache
 from models.sharding import cache_sharding, create_model, logical_sharding, make_mesh, shard_model
-from models.transformer import KVCache, Transformer, init_cache
+from models.transformer import Transformer
 
 __all__ = [
     "KVCache",

@@ -2,7 +2,7 @@
 only the row's valid cache positions, adds the current token from registers and writes that
 token's key and value into the cache in place.
 
-The XLA path (models.transformer.xla_decode_attention after write_slot) runs two scatters, two
+The XLA path (models.kv_cache.xla_decode_attention after write_slot) runs two scatters, two
 batched GEMMs and a masked softmax over the whole allocated cache per layer, and before them
 the split of the fused q/k/v projection and rotary; on a GPU, where a decode step is a few
 hundred small kernels, this one kernel replaces them (rotary only for models without q/k norms,
@@ -231,7 +231,7 @@ def decode_attention(
     """(o [B, N, H], k_cache, v_cache): row b's query heads attend to its cache slots
     [0, positions[b]) and the current token (k_BKH, v_BKH), which is written to slot
     positions[b]. k_cache [B, K, H, S] (k_pos 3) or [B, K, S, H] (k_pos 2), v_cache
-    [B, K, S, H] (models.transformer.KVCache); float32 logits and softmax, as the XLA path."""
+    [B, K, S, H] (models.kv_cache.KVCache); float32 logits and softmax, as the XLA path."""
     N = q_BNH.shape[1]
     kn, vn = k_BKH.astype(k_cache.dtype), v_BKH.astype(v_cache.dtype)
     offsets = (0, 0, 0)

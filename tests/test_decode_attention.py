@@ -11,7 +11,8 @@ import pytest
 from models import create_model, init_cache, tiny
 from models import decode_attention as da
 from models.decode_attention import decode_attention, decode_attention_qkv, supported
-from models.transformer import apply_rotary, rotary, write_slot, xla_decode_attention
+from models.kv_cache import write_slot, xla_decode_attention
+from models.transformer import apply_rotary, rotary
 from rl.rollout.jax_engine import JaxEngine
 
 

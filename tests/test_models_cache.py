@@ -8,7 +8,7 @@ from flax import nnx
 from model_weights import randomize
 
 from models import create_model, init_cache, tiny
-from models.transformer import KVCache
+from models.kv_cache import KVCache
 
 CONFIGS = {
     "qwen2_untied": tiny(),

@@ -14,9 +14,9 @@ from flax import nnx
 from model_weights import randomize
 
 from models import create_model, make_mesh, tiny
+from models.kv_cache import init_cache
 from models.sharding import shard_model
 from models.tokenizer import build_task_tokenizer, load_tokenizer
-from models.transformer import init_cache
 from rl.agent import run_episodes
 from rl.learner import Learner, StepConfig, make_batch
 from rl.rollout.base import GenerationRequest, SamplingParams

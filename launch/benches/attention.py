@@ -1,7 +1,7 @@
 """python -m launch.bench attention: one decode step's attention as the model's decode runs it,
 the Pallas kernel (models.decode_attention_qkv, keys [B, K, S, H]; rotary and the q/k/v split in
 it, as for the presets' Qwen2 shapes) against XLA's path (the split, rotary, the slot writes,
-then models.transformer.xla_decode_attention over the whole cache, keys [B, K, H, S]), at a model's
+then models.kv_cache.xla_decode_attention over the whole cache, keys [B, K, H, S]), at a model's
 shapes for cached lengths of a few blocks; each timed over distinct layers' caches, so that
 HBM, not L2, serves them; --blocks/--warps/--stages/--splits sweep the kernel's launch
 constants. On a GPU the times are the profiler's kernel times; elsewhere wall
@@ -29,7 +29,8 @@ from launch.benches.common import (
     reject_nonpositive,
 )
 from models import decode_attention as da
-from models.transformer import apply_rotary, rotary, write_slot, xla_decode_attention
+from models.kv_cache import write_slot, xla_decode_attention
+from models.transformer import apply_rotary, rotary
 
 
 def _data(cfg, B, S, layers, position, seed):

@@ -58,7 +58,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.decode_attention import supported
-from models.transformer import KVCache, init_cache
+from models.kv_cache import KVCache, init_cache
 from rl.metrics import BusyClock
 from rl.rollout import kernels, sample_kernel
 from rl.rollout.base import (
