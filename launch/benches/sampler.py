@@ -80,6 +80,10 @@ def bench_sampler(args) -> dict:
         sample_kernel={"auto": None, "on": True, "off": False}[args.sample_kernel],
     )
     del model
+    print(
+        f"engine: decode attention {engine.decode_attention}, sample kernel "
+        f"{engine.sample_kernel}, norms folded into the kernels {engine.fold_norms}"
+    )
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, P).astype(np.int32) for _ in range(B)]
 
