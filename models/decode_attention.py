@@ -56,6 +56,16 @@ def _block(cache_len: int) -> int | None:
     return next((b for b in BLOCK_S if cache_len % b == 0), None)
 
 
+def row_inv_rms(x_ref, b, eps: float):
+    """In a kernel: 1/rms of row b of x_ref [B, D] in float32 (D padded to a power of two by a
+    masked load, as Triton's blocks are)."""
+    D = x_ref.shape[-1]
+    Dp = pl.next_power_of_2(D)
+    row = plgpu.load(x_ref.at[b, pl.ds(0, Dp)], mask=jnp.arange(Dp) < D, other=0)
+    row = row.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(row * row) / D + eps)
+
+
 def _kernel(
     pos_ref,
     q_ref,
@@ -101,11 +111,7 @@ def _kernel(
     kn = [kn_ref[b, k0 + h, d].astype(f32) for d in parts]
     vn = vn_ref[b, v0 + h, :]
     if x_ref is not None:  # the input norm, folded: 1/rms of the row, then the bias
-        D = x_ref.shape[-1]
-        Dp = pl.next_power_of_2(D)
-        row = plgpu.load(x_ref.at[b, pl.ds(0, Dp)], mask=jnp.arange(Dp) < D, other=0)
-        row = row.astype(f32)
-        scale_b = jax.lax.rsqrt(jnp.sum(row * row) / D + eps)
+        scale_b = row_inv_rms(x_ref, b, eps)
         q, kn = [scale_b * y for y in q], [scale_b * y for y in kn]
         vn = scale_b * vn.astype(f32)
         if bias_ref is not None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from models.decode_attention import plgpu
+from models.decode_attention import plgpu, row_inv_rms
 
 BLOCK = 1024  # activation columns per program
 WARPS = 4
@@ -24,11 +24,8 @@ def _kernel(gu_ref, x_ref, h_ref, *, eps):
     """Program (b, c): columns [c BLOCK, (c + 1) BLOCK) of row b's silu(s g) * (s u), s the
     row's 1/rms(x); g and u are the two halves of gu_ref's row (float32 until the store)."""
     b, c = pl.program_id(0), pl.program_id(1)
-    D, F = x_ref.shape[-1], h_ref.shape[-1]
-    f32 = jnp.float32
-    Dp = pl.next_power_of_2(D)
-    row = plgpu.load(x_ref.at[b, pl.ds(0, Dp)], mask=jnp.arange(Dp) < D, other=0).astype(f32)
-    s = jax.lax.rsqrt(jnp.sum(row * row) / D + eps)
+    F, f32 = h_ref.shape[-1], jnp.float32
+    s = row_inv_rms(x_ref, b, eps)
     cols = c * BLOCK + jnp.arange(BLOCK)
     keep = cols < F
     g = plgpu.load(gu_ref.at[b, pl.ds(c * BLOCK, BLOCK)], mask=keep, other=0).astype(f32) * s

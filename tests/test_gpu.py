@@ -146,6 +146,29 @@ def test_learner_and_sampler_logprobs_agree(tmp_path):
     assert m.sum() > 0 and np.abs(lp[m] - batch.behavior_logp[m]).max() < 1e-5
 
 
+def _decode_case(seed: int, B: int = 8, S: int = 128, steps: int = 70):
+    """(B, S, lengths, prompts, feed) of a decode comparison: 70 steps cross the kernel's
+    64-slot blocks."""
+    rng = np.random.RandomState(seed)
+    lengths = jnp.asarray(rng.randint(1, 20, B), jnp.int32)
+    prompts = jnp.asarray(rng.randint(0, SHAPE["vocab_size"], (B, 20)), jnp.int32)
+    feed = rng.randint(0, SHAPE["vocab_size"], (steps, B)).astype(np.int32)
+    return B, S, lengths, prompts, feed
+
+
+def _decode_steps(model, case, k_pos, prefill, decode, pre_args, step_args):
+    """Logits [steps, B, V] of prefill(model, prompts, lengths, cache, *pre_args), then one
+    decode(model, token, position, cache, *step_args) per fed token."""
+    B, S, lengths, prompts, feed = case
+    cache = init_cache(model.config, B, S, k_pos=k_pos)
+    _, cache = prefill(model, prompts, lengths, cache, *pre_args)
+    out = []
+    for i, tok in enumerate(feed):
+        logits, cache = decode(model, jnp.asarray(tok), lengths + i, cache, *step_args)
+        out.append(np.asarray(logits))
+    return np.stack(out)
+
+
 def test_pallas_decode_attention_matches_xla():
     """Prefill then decode steps with the compiled Pallas decode kernel against the XLA path:
     float32 logits within 1e-5 (no TF32 in the kernel); bfloat16 as close to the float32
@@ -153,20 +176,10 @@ def test_pallas_decode_attention_matches_xla():
     engine picks the kernel by default."""
     decode = nnx.jit(lambda m, t, p, c, a: m.decode(t, p, c, attention=a), static_argnames=("a",))
     prefill = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))
-    rng = np.random.RandomState(0)
-    B, S, steps = 8, 128, 70  # steps cross the kernel's 64-slot blocks
-    lengths = jnp.asarray(rng.randint(1, 20, B), jnp.int32)
-    prompts = jnp.asarray(rng.randint(0, SHAPE["vocab_size"], (B, 20)), jnp.int32)
-    feed = rng.randint(0, SHAPE["vocab_size"], (steps, B)).astype(np.int32)
+    case = _decode_case(seed=0)
 
     def run(model, attention, k_pos=3):
-        cache = init_cache(model.config, B, S, k_pos=k_pos)
-        _, cache = prefill(model, prompts, lengths, cache)
-        out = []
-        for i in range(steps):
-            logits, cache = decode(model, jnp.asarray(feed[i]), lengths + i, cache, attention)
-            out.append(np.asarray(logits))
-        return np.stack(out)
+        return _decode_steps(model, case, k_pos, prefill, decode, (), (attention,))
 
     ref = _model(dtype="float32")
     want = run(ref, "xla")
@@ -186,12 +199,7 @@ def test_folded_norms_decode_matches_xla():
     kernels, the compiled attention and activation kernels finishing the norms, against XLA's
     unfolded decode: float32 logits within 1e-5; bfloat16 as close to the float32 reference as
     XLA's bfloat16 decode. The norm weights drawn around 1, so the fold is not a no-op."""
-    B, S, steps = 8, 128, 70
-    rng = np.random.RandomState(1)
-    lengths = jnp.asarray(rng.randint(1, 20, B), jnp.int32)
-    prompts = jnp.asarray(rng.randint(0, SHAPE["vocab_size"], (B, 20)), jnp.int32)
-    feed = rng.randint(0, SHAPE["vocab_size"], (steps, B)).astype(np.int32)
-
+    case = _decode_case(seed=1)
     layers = lambda m, fold: m.per_layer(fold=fold)
     prefill = nnx.jit(
         lambda m, t, n, c, fold: m.prefill(t, n, c, layers=layers(m, fold), folded=fold),
@@ -204,13 +212,7 @@ def test_folded_norms_decode_matches_xla():
         static_argnames=("fold",),
     )
 
-    def steps_of(model, fold):
-        _, cache = prefill(model, prompts, lengths, init_cache(model.config, B, S, k_pos=2), fold)
-        out = []
-        for i in range(steps):
-            logits, cache = decode(model, jnp.asarray(feed[i]), lengths + i, cache, fold)
-            out.append(np.asarray(logits))
-        return np.stack(out)
+    steps_of = lambda model, fold: _decode_steps(model, case, 2, prefill, decode, (fold,), (fold,))
 
     ref = _model(dtype="float32")
     leaves, treedef = jax.tree.flatten_with_path(nnx.state(ref, nnx.Param))

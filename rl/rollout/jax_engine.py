@@ -426,7 +426,8 @@ class JaxEngine:
 
     def served_params(self):
         """The served weights as the model's params tree (the layers stacked back, the fused
-        kernels split): what update_weights took, for callers that compare weights."""
+        kernels split): what update_weights took, for callers that compare weights (with
+        fold_norms, the q/k/v and gate/up kernels within two roundings of it)."""
         return params_of_layout(
             self.params, self._layer_def, self.config, self._template, self.fold_norms
         )
