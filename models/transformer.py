@@ -58,6 +58,11 @@ class RMSNorm(nnx.Module):
         w = self.weight[...].astype(jnp.float32)[:, None]
         return (w * kernel.astype(jnp.float32)).astype(kernel.dtype)
 
+    def unfold(self, kernel: jax.Array) -> jax.Array:
+        """fold's inverse, within one rounding (not finite where a weight is 0)."""
+        w = self.weight[...].astype(jnp.float32)[:, None]
+        return (kernel.astype(jnp.float32) / w).astype(kernel.dtype)
+
 
 @functools.lru_cache(maxsize=64)
 def _inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
@@ -272,8 +277,8 @@ class DecoderLayer(nnx.Module):
         if not folded:
             attention = lambda h: attend_qkv(_linear(h, w, bias, dtype), None)
         else:
-            norm = lambda x: (x, bias, self.input_layernorm.eps)
-            attention = lambda x: attend_qkv(_linear(x, w, None, dtype), norm(x))
+            eps = self.input_layernorm.eps
+            attention = lambda x: attend_qkv(_linear(x, w, None, dtype), (x, bias, eps))
         return self._residual(x_BTD, attention, gate_up, folded, activation)
 
     def _residual(self, x_BTD, attention, gate_up, folded: bool = False, activation=None):

@@ -22,11 +22,6 @@ def _is_param(x) -> bool:
     return isinstance(x, nnx.Param)
 
 
-def _unfold(kernel, norm):
-    g = norm.weight[...].astype(jnp.float32)[:, None]
-    return (kernel.astype(jnp.float32) / g).astype(kernel.dtype)
-
-
 def serving_layout(model, fold: bool = False):
     """(head, layers, layer graphdef) of a model (traced: call under jit). layers are
     per_layer(serving=True, fold)'s (state, fused kernels) of every decoder layer; head is the
@@ -55,8 +50,8 @@ def params_of_layout(params, layer_def, config, template, folded: bool = False):
         layer = nnx.merge(layer_def, st)
         a, m = layer.self_attn, layer.mlp
         if folded:
-            w = _unfold(w, layer.input_layernorm)
-            gate_up = _unfold(gate_up, layer.post_attention_layernorm)
+            w = layer.input_layernorm.unfold(w)
+            gate_up = layer.post_attention_layernorm.unfold(gate_up)
         cols = ((0, nq), (nq, nq + nk), (nq + nk, None))
         for proj, (lo, hi) in zip((a.q_proj, a.k_proj, a.v_proj), cols):
             proj.kernel.set_value(w[:, lo:hi])
