@@ -717,3 +717,27 @@ def test_drain_update_lets_live_rows_finish_on_their_version(model, tok):
     assert all((g.versions == 1).all() for g in later)
     assert any(not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(first, later))
     eng.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_decode_chunk_past_every_rows_budget(model, overlap):
+    """A chunk starts only while some live row may still need a token: a budget of one ends at
+    the prefill, and with a chunk in flight (overlap) none follows the one that reaches every
+    row's budget. Stop tokens hit at the prefill end the row there too."""
+    eng = JaxEngine(model, chunk=4, max_batch=4, early_exit=False, overlap=overlap)
+    for budget, steps in [(1, 0), (2, 4), (5, 4), (6, 8), (13, 12)]:
+        eng.slot_steps = 0
+        reqs = [
+            _req(f"b{budget}-{i}", _prompt(70 + i, 5), max_new_tokens=budget, seed=i)
+            for i in range(4)
+        ]
+        out = eng.generate(reqs)
+        assert [len(g.token_ids) for g in out] == [budget] * 4
+        assert eng.slot_steps == 4 * steps, (budget, eng.slot_steps)
+    first = eng.generate([_req("s", _prompt(80, 5), max_new_tokens=1, seed=3)])[0]
+    eng.slot_steps = 0
+    stop = int(first.token_ids[0])  # the same request's first token, now a stop token
+    g = eng.generate([_req("s", _prompt(80, 5), max_new_tokens=9, seed=3, stop_token_ids=[stop])])
+    assert g[0].finish_reason == "stop" and list(g[0].token_ids) == [stop]
+    assert eng.slot_steps == 0
+    eng.close()

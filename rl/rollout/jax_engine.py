@@ -309,6 +309,7 @@ class JaxEngine:
         self._slots: list[_Row | None] = []
         self._state = None  # (cache, tok, pos, n, done, consts), [C, ...] split over the devices
         self._records: collections.deque = collections.deque()
+        self.decode_steps = 0  # decode steps run (each over every slot), as read back
         self.slot_steps = 0  # rows computed by decode steps (slots x steps)
         self.useful_steps = 0  # of those, rows that produced a token
         # Diagnostics: set to a list and the scheduler appends (kind, start, end, *info) of its
@@ -733,6 +734,9 @@ class JaxEngine:
         elif not self._abort.is_set():
             self._admit()
         if self._live():
+            if self._records and not self._needs_chunk():
+                self._process(self._records.popleft())  # what is in flight ends every live row
+                return True
             self._dispatch()
             while len(self._records) > self.overlap:  # with overlap one chunk stays in flight
                 self._process(self._records.popleft())
@@ -748,6 +752,14 @@ class JaxEngine:
                 self._thread = None  # idle: exit; the next call starts a new thread
                 return False
         return True
+
+    def _needs_chunk(self) -> bool:
+        """Whether a live row may need a token beyond those in flight (its insert's first
+        token, then chunk tokens per chunk): a chunk past every row's budget would decode for
+        nothing while the host waits to admit the next requests."""
+        return any(
+            max(len(r.tokens), 1) + self.chunk * r.inflight < r.max_new for r in self._live()
+        )
 
     def _admit(self) -> None:
         """Sizes the slots to the demand (live and waiting rows), then moves waiting requests
@@ -799,7 +811,7 @@ class JaxEngine:
         truncate = any(_truncates(r) for r in rows)
         tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts, truncate)
         self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
-        self._records.append(("insert", rows, tok, lp, self.version))
+        self._records.append(("insert", rows, tok, lp, done, self.version))
         self._note("admit", t0, len(rows))
 
     def _admission_rows(self, n: int) -> int:
@@ -896,17 +908,20 @@ class JaxEngine:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""
         t0 = time.perf_counter()
         if record[0] == "insert":
-            _, rows, tok, lp, version = record
-            tok, lp = jax.device_get((tok, lp))
+            _, rows, tok, lp, done, version = record
+            tok, lp, done = jax.device_get((tok, lp, done))
             for i, r in enumerate(rows):
                 if not r.finished:
                     r.tokens.append(int(tok[i]))
                     r.logps.append(float(lp[i]))
                     r.versions.append(version)
+                    if done[i]:  # a stop token or a budget of one: no chunk needs to say so
+                        self._finish(r)
             return
         _, slots, toks, lps, done, steps, version = record
         toks, lps, done, steps = jax.device_get((toks, lps, done, steps))
         valid = toks >= 0
+        self.decode_steps += int(steps)
         self.slot_steps += toks.shape[0] * int(steps)
         self.useful_steps += int(valid.sum())
         for s, r in enumerate(slots):
