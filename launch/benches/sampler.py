@@ -92,9 +92,10 @@ def bench_sampler(args) -> dict:
             GenerationRequest(f"{rep}-{i}", p, SamplingParams(max_new_tokens=new, seed=rep * B + i))
             for i, p in enumerate(prompts)
         ]
-        t0 = time.perf_counter()
+        steps0, t0 = engine.decode_steps, time.perf_counter()
         gens = engine.generate(reqs)
         dt = time.perf_counter() - t0
+        steps.append(engine.decode_steps - steps0)
         for g in gens:
             if len(g.token_ids) != new or not np.all(np.isfinite(g.logprobs)):
                 raise RuntimeError(
@@ -103,18 +104,28 @@ def bench_sampler(args) -> dict:
                 )
         return dt
 
+    steps: list[int] = []  # decode steps each run() ran, as the engine counted them
     t0 = time.perf_counter()
     run(N, 1000), run(1, 1001)
     print(f"warmup (compiles): {time.perf_counter() - t0:.1f} s")
+    del steps[:]
     fulls = [run(N, r) for r in range(args.repeats)]
+    full_steps, steps[:] = sorted(set(steps)), []
     prefill = statistics.median(run(1, r) for r in range(args.repeats))
+    prefill_steps = sorted(set(steps))
+    if len(full_steps) != 1 or len(prefill_steps) != 1 or full_steps[0] <= prefill_steps[0]:
+        raise RuntimeError(f"decode steps per run: {full_steps} (full), {prefill_steps} (prefill)")
+    # The step: the time between the two runs over the decode steps between them (a chunk runs
+    # whole, so that can be more than the N - 1 tokens decoded).
+    n_steps = full_steps[0] - prefill_steps[0]
     full = statistics.median(fulls)
     decode_s = max(full - prefill, 1e-9)
-    step_s = decode_s / (N - 1)
+    step_s = decode_s / n_steps
     print(f"generate {B}x{N}: {full * 1e3:.1f} ms; prefill only (1 new token): {prefill * 1e3:.1f}")
     print(f"tokens/s: {B * N / full:,.0f} end to end; decode only: {B * (N - 1) / decode_s:,.0f}")
-    steps = [(f - prefill) / (N - 1) * 1e3 for f in fulls]  # the spread a comparison must beat
-    spread = f" (repeats {min(steps):.3f}-{max(steps):.3f})" if len(steps) > 1 else ""
+    print(f"decode steps run: {full_steps[0]} (generate), {prefill_steps[0]} (prefill only)")
+    per = [(f - prefill) / n_steps * 1e3 for f in fulls]  # the spread a comparison must beat
+    spread = f" (repeats {min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
     print(f"decode step: {step_s * 1e3:.3f} ms{spread}")
     cache_len = je.length_bucket(P + N - 1, je.LEN_BUCKETS)  # the cache at the last step
     nb = decode_bytes(cfg, B, P, N, cache_len)
