@@ -741,3 +741,12 @@ def test_no_decode_chunk_past_every_rows_budget(model, overlap):
     assert g[0].finish_reason == "stop" and list(g[0].token_ids) == [stop]
     assert eng.slot_steps == 0
     eng.close()
+
+
+@pytest.mark.parametrize("fixed_slots", [False, True])
+def test_admissions_pad_to_powers_of_two_with_fixed_slots_too(model, fixed_slots):
+    """A prefill's cost grows with its rows once it is compute-bound, on an accelerator too:
+    seven freed slots are refilled by an 8-row prefill, not a 16-row one."""
+    eng = JaxEngine(model, chunk=4, max_batch=64, fixed_slots=fixed_slots)
+    assert [eng._admission_rows(n) for n in (1, 3, 7, 9, 33, 64)] == [1, 4, 8, 16, 64, 64]
+    eng.close()

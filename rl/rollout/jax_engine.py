@@ -105,7 +105,6 @@ FINE_LEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 
 FINE_LEN_BUCKETS += (1280, 1536, 2048, 2560, 3072, 4096)
 PROMPT_BUCKETS = (8,) + LEN_BUCKETS  # prefill lengths
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-PREFILL_BUCKETS = (1, 4, 16, 64, 256, 1024)  # new rows per admission: few prefill programs
 DECODE_ATTENTION = ("auto", "xla", "pallas")  # auto: the Pallas kernel on one GPU, else XLA
 EARLY_EXIT_FRACTION = 8  # a chunk ends early once 1/8 of the slots finished (rows waiting)
 
@@ -291,8 +290,9 @@ class JaxEngine:
         fixed = accelerator if fixed_slots is None else fixed_slots
         self.fixed_slots = fixed or cache_len is not None
         self.cache_buckets = LEN_BUCKETS if self.fixed_slots else FINE_LEN_BUCKETS
-        # A CPU's prefill also costs per row: admissions there are padded to powers of two.
-        self.prefill_buckets = PREFILL_BUCKETS if self.fixed_slots else BATCH_BUCKETS
+        # A prefill costs per row on a CPU, and on an accelerator too once its rows x prompt
+        # tokens make it compute-bound (a few hundred tokens): admissions pad to powers of two.
+        self.prefill_buckets = BATCH_BUCKETS
         if cache_len is not None and cache_len < 1:
             raise ValueError(f"JaxEngine: cache_len={cache_len}; must be >= 1 (or None)")
         self.cache_len = None if cache_len is None else length_bucket(cache_len, LEN_BUCKETS)
