@@ -230,9 +230,9 @@ def test_warm_compiles_every_program_serving_uses(model, kind):
     assert n == eng.traces - before
     # batch-invariant: 1 decode; prompt buckets 8, 16, 32 x (prefill + insert), one admission
     # size (alone). Fixed slots: cache lengths 16, 32, 64 (a decode each, 6 relayouts), 3
-    # prompt buckets x 3 admission sizes (1, 4, 8): 9 prefills, and an insert for each
-    # (prompt bucket <= cache length, size): 8 x 3.
-    assert n == (7 if kind == "batch-invariant" else 3 + 6 + 9 + 24)
+    # prompt buckets x 4 admission sizes (1, 2, 4, 8): 12 prefills, and an insert for each
+    # (prompt bucket <= cache length, size): 8 x 4.
+    assert n == (7 if kind == "batch-invariant" else 3 + 6 + 12 + 32)
     warmed = eng.traces
     for rnd in range(2):  # an idle engine's second round starts from the cache it left
         reqs = [
