@@ -87,7 +87,8 @@ def bench_sampler(args) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, P).astype(np.int32) for _ in range(B)]
 
-    def run(new: int, rep: int) -> float:
+    def run(new: int, rep: int) -> tuple[float, int]:
+        """(seconds, decode steps the engine ran) of one generate."""
         reqs = [
             GenerationRequest(f"{rep}-{i}", p, SamplingParams(max_new_tokens=new, seed=rep * B + i))
             for i, p in enumerate(prompts)
@@ -95,24 +96,22 @@ def bench_sampler(args) -> dict:
         steps0, t0 = engine.decode_steps, time.perf_counter()
         gens = engine.generate(reqs)
         dt = time.perf_counter() - t0
-        steps.append(engine.decode_steps - steps0)
+        steps = engine.decode_steps - steps0
         for g in gens:
             if len(g.token_ids) != new or not np.all(np.isfinite(g.logprobs)):
                 raise RuntimeError(
                     f"request {g.request_id}: {len(g.token_ids)} tokens (want {new}), "
                     f"finite logprobs: {bool(np.all(np.isfinite(g.logprobs)))}"
                 )
-        return dt
+        return dt, steps
 
-    steps: list[int] = []  # decode steps each run() ran, as the engine counted them
     t0 = time.perf_counter()
     run(N, 1000), run(1, 1001)
     print(f"warmup (compiles): {time.perf_counter() - t0:.1f} s")
-    del steps[:]
-    fulls = [run(N, r) for r in range(args.repeats)]
-    full_steps, steps[:] = sorted(set(steps)), []
-    prefill = statistics.median(run(1, r) for r in range(args.repeats))
-    prefill_steps = sorted(set(steps))
+    fulls, full_steps = zip(*(run(N, r) for r in range(args.repeats)))
+    prefills, prefill_steps = zip(*(run(1, r) for r in range(args.repeats)))
+    full_steps, prefill_steps = sorted(set(full_steps)), sorted(set(prefill_steps))
+    prefill = statistics.median(prefills)
     if len(full_steps) != 1 or len(prefill_steps) != 1 or full_steps[0] <= prefill_steps[0]:
         raise RuntimeError(f"decode steps per run: {full_steps} (full), {prefill_steps} (prefill)")
     # The step: the time between the two runs over the decode steps between them (a chunk runs

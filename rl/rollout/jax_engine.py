@@ -147,6 +147,11 @@ class _Row:
     logps: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)  # each token's weights version
 
+    def reach(self, chunk: int, more: int = 0) -> int:
+        """Tokens the row has once its in-flight work and `more` chunks are read (the first one
+        pending until its insert is read), before its budget."""
+        return max(len(self.tokens), 1) + chunk * (self.inflight + more)
+
 
 @dataclasses.dataclass
 class _Rows:
@@ -757,9 +762,7 @@ class JaxEngine:
         """Whether a live row may need a token beyond those in flight (its insert's first
         token, then chunk tokens per chunk): a chunk past every row's budget would decode for
         nothing while the host waits to admit the next requests."""
-        return any(
-            max(len(r.tokens), 1) + self.chunk * r.inflight < r.max_new for r in self._live()
-        )
+        return any(r.reach(self.chunk) < r.max_new for r in self._live())
 
     def _admit(self) -> None:
         """Sizes the slots to the demand (live and waiting rows), then moves waiting requests
@@ -862,15 +865,10 @@ class JaxEngine:
                 idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
                 self._state = self._relayout(self._state, idx, self.cache_len, width)
             return
-        # A row that has n tokens (the first one pending until its insert is read) reaches
-        # position prompt_len + n - 1 + chunk per chunk in flight and the next one.
+        # A row's last position by the end of the next chunk: prompt_len + its tokens then - 1.
         need = max(
             [extra, self._floor]
-            + [
-                r.prompt_len
-                + min(max(len(r.tokens), 1) - 1 + self.chunk * (r.inflight + 1), r.max_new - 1)
-                for r in self._live()
-            ]
+            + [r.prompt_len + min(r.reach(self.chunk, 1), r.max_new) - 1 for r in self._live()]
         )
         S, new = self._S(), length_bucket(need, self.cache_buckets)
         # Where slots follow demand (CPU) the cache shrinks to fit at once; elsewhere once a
