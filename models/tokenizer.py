@@ -1,4 +1,5 @@
-"""Tokenizers: load any local HF tokenizer dir fast; build the tiny character-level task tokenizer.
+"""Tokenizers: load any local HF tokenizer dir fast; build the tiny character-level task tokenizer
+and small byte-level BPE tokenizers with a Qwen-style chat template (tests, the demonstration).
 
 The task tokenizer maps every printable ASCII character and "\\n" to its own token, plus a few
 special tokens (chat and tool/answer tags, each ONE token wherever it appears in text). It is a
@@ -10,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterable
 from datetime import datetime
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 PAD = "<pad>"
 EOS = "<eos>"
@@ -112,11 +114,18 @@ def _token_content(value) -> str | None:
 
 @dataclasses.dataclass
 class Tokenizer:
-    """A local HF tokenizer (tokenizer.json) with its special tokens and chat template."""
+    """A local HF tokenizer (tokenizer.json) with its special tokens and chat template.
+
+    `end_ids` are the tokens that end an episode, the first the one a demonstration ends
+    with: eos and generation_config.json's eos ids (and, via with_turn_end, the chat
+    template's end-of-turn token).
+    """
 
     backend: tokenizers.Tokenizer
     special_tokens: dict[str, str]  # e.g. {"eos_token": "<eos>", "pad_token": "<pad>"}
     chat_template: str | None
+    end_ids: tuple[int, ...] = ()
+    path: str = ""
 
     @property
     def vocab_size(self) -> int:
@@ -136,6 +145,30 @@ class Tokenizer:
     def _special_id(self, key: str) -> int | None:
         tok = self.special_tokens.get(key)
         return None if tok is None else self.token_id(tok)
+
+    def with_turn_end(self) -> Tokenizer:
+        """This tokenizer with its chat template's end-of-turn token first in end_ids (the
+        token a rendered assistant message ends with: `<|im_end|>` for ChatML)."""
+        eot = self.turn_end_id()
+        rest = tuple(i for i in self.end_ids if i != eot)
+        return dataclasses.replace(self, end_ids=(eot, *rest))
+
+    def turn_end_id(self) -> int:
+        """The special token the chat template writes right after an assistant message."""
+        marker = "\x00TANDEM\x00"
+        text = self.render_chat(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
+            add_generation_prompt=False,
+        )
+        after = text.partition(marker)[2]
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        for tok in sorted(added, key=len, reverse=True):
+            if after.startswith(tok):
+                return self.token_id(tok)
+        raise ValueError(
+            f"the chat template of {self.path or 'this tokenizer'} writes {after[:20]!r} after "
+            "an assistant message, not a special token: no end-of-turn token to stop on"
+        )
 
     def token_id(self, tok: str) -> int:
         """The id of one token string; raises KeyError naming it if absent."""
@@ -187,7 +220,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     """Loads a local HF tokenizer directory (needs tokenizer.json) without transformers."""
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
-        raise FileNotFoundError(f"no tokenizer.json in {path!r}; a fast HF tokenizer dir is needed")
+        raise FileNotFoundError(
+            f"{tok_file} does not exist; a fast HF tokenizer (tokenizer.json) is needed"
+        )
     backend = tokenizers.Tokenizer.from_file(tok_file)
     config: dict = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
@@ -208,4 +243,85 @@ def load_tokenizer(path: str) -> Tokenizer:
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default")
-    return Tokenizer(backend=backend, special_tokens=special, chat_template=template)
+    tok = Tokenizer(backend=backend, special_tokens=special, chat_template=template, path=path)
+    ends = [tok.eos_id] + _generation_eos(path)
+    tok.end_ids = tuple(dict.fromkeys(int(i) for i in ends if i is not None))
+    return tok
+
+
+def _generation_eos(path: str) -> list[int]:
+    """eos ids of the directory's generation_config.json (an int or a list), if any."""
+    p = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(p):
+        return []
+    with open(p) as f:
+        ids = json.load(f).get("eos_token_id")
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+# Qwen2's pre-tokenizer: words, single digits, punctuation runs, newlines, spaces.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+ENDOFTEXT = "<|endoftext|>"
+# Qwen2.5's ChatML template without its tool-calling branches: an optional system message,
+# then each message as <|im_start|>role\ncontent<|im_end|>\n.
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+def build_bpe_tokenizer(out_dir: str, corpus: Iterable[str], *, vocab_size: int = 512) -> str:
+    """Trains a byte-level BPE tokenizer on `corpus` with Qwen2's pre-tokenizer (digits split
+    one by one), ChatML special tokens and a Qwen-style chat template; writes it as an HF
+    tokenizer directory (eos `<|endoftext|>`, the chat's end of turn `<|im_end|>`)."""
+    os.makedirs(out_dir, exist_ok=True)
+    special = [ENDOFTEXT, IM_START, IM_END]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in special
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 2048,
+        "bos_token": None,
+        "eos_token": ENDOFTEXT,
+        "pad_token": ENDOFTEXT,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": added,
+        "chat_template": QWEN_CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir

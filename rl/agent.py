@@ -81,9 +81,10 @@ class _Draft:
 
 
 def stop_ids(task, tokenizer) -> tuple[int, ...]:
-    """Token ids that end a model turn: eos plus the task's stop texts (one token each)."""
-    ids = [tokenizer.eos_id] + [tokenizer.token_id(t) for t in getattr(task, "stop_texts", ())]
-    return tuple(int(i) for i in ids if i is not None)
+    """Token ids that end a model turn: the tokenizer's end ids (eos, the chat's end of turn)
+    plus the task's stop texts (one token each)."""
+    ids = [*tokenizer.end_ids] + [tokenizer.token_id(t) for t in getattr(task, "stop_texts", ())]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def _budget(problem: Problem, params: SamplingParams) -> int:
@@ -187,8 +188,8 @@ def _generate(
                 continue  # resubmit the prefix on the new weights
             d.finish_reason = g.finish_reason
             d.turn += 1
-            ended_by_eos = len(g.token_ids) and int(g.token_ids[-1]) == tokenizer.eos_id
-            if ended_by_eos or d.turn >= max_turns or g.finish_reason == "length":
+            ended = len(g.token_ids) and int(g.token_ids[-1]) in tokenizer.end_ids
+            if ended or d.turn >= max_turns or g.finish_reason == "length":
                 d.done = True
                 continue
             transcript = tokenizer.decode(d.tokens[d.prompt_len :])
@@ -205,9 +206,13 @@ def _generate(
 
 
 def _episode(task, tokenizer, d: _Draft) -> Episode:
-    """The finished draft as an Episode, with its reward."""
-    text = tokenizer.decode(d.tokens[d.prompt_len :])
-    r = task.reward(d.problem, text)
+    """The finished draft as an Episode, with its reward (scored on the text without the end
+    token that closed it, as TRL and verl score decoded completions)."""
+    generated = d.tokens[d.prompt_len :]
+    text = tokenizer.decode(generated)
+    if generated and generated[-1] in tokenizer.end_ids:
+        generated = generated[:-1]
+    r = task.reward(d.problem, tokenizer.decode(generated))
     return Episode(
         problem_id=d.problem.id,
         tokens=np.asarray(d.tokens, np.int32),

@@ -202,6 +202,74 @@ def update_batch(cfg: C.RunConfig, groups, *, row_len: int, unit: int):
     )
 
 
+def make_tokenizer(cfg: C.RunConfig, run_dir: str):
+    """(tokenizer directory, Tokenizer) of the run, kept in run_dir/tokenizer so that every
+    engine, published and exported directory and a resumed run use the same files: the
+    checkpoint's own tokenizer with model.init=hf (or model.tokenizer's), the character-level
+    task tokenizer for presets. A missing tokenizer, or one with more tokens than the model's
+    embedding has rows, is a ConfigError naming the file."""
+    from models.hf import TOKENIZER_PATTERNS
+    from models.tokenizer import build_task_tokenizer, load_tokenizer
+
+    tok_dir = os.path.join(run_dir, "tokenizer")
+    have = os.path.exists(os.path.join(tok_dir, "tokenizer.json"))
+    if cfg.model.init != "hf":
+        if not have:
+            build_task_tokenizer(tok_dir)
+        return tok_dir, load_tokenizer(tok_dir)
+    model_dir = cfg.model.path
+    config_file = os.path.join(model_dir, "config.json")
+    if not model_dir or not os.path.isfile(config_file):
+        raise C.ConfigError(
+            f"model.path: {model_dir!r}: {config_file} does not exist; model.init: hf needs a "
+            "local Hugging Face checkpoint directory (config.json, safetensors, tokenizer)"
+        )
+    source = cfg.model.tokenizer or model_dir
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    try:
+        tokenizer = load_tokenizer(source)
+    except FileNotFoundError as e:
+        raise C.ConfigError(f"{key}: {e}") from None
+    import json
+
+    with open(config_file) as f:
+        rows = json.load(f).get("vocab_size")
+    if not isinstance(rows, int) or tokenizer.vocab_size > rows:
+        raise C.ConfigError(
+            f"{key}: {os.path.join(source, 'tokenizer.json')} has {tokenizer.vocab_size} tokens, "
+            f"more than the model's embedding ({config_file}: vocab_size {rows}); token ids past "
+            "the embedding cannot be used: give the checkpoint's own tokenizer"
+        )
+    if not have:  # the run's own copy, with the checkpoint's generation eos ids
+        import fnmatch
+        import shutil
+
+        os.makedirs(tok_dir, exist_ok=True)
+        patterns = (*TOKENIZER_PATTERNS, "generation_config.json")
+        for name in sorted(os.listdir(source)):
+            if any(fnmatch.fnmatch(name, p) for p in patterns):
+                shutil.copyfile(os.path.join(source, name), os.path.join(tok_dir, name))
+        gen = os.path.join(model_dir, "generation_config.json")
+        if source != model_dir and os.path.isfile(gen):
+            shutil.copyfile(gen, os.path.join(tok_dir, "generation_config.json"))
+    return tok_dir, load_tokenizer(tok_dir)
+
+
+def make_task(cfg: C.RunConfig, tokenizer):
+    """The run's task for its tokenizer (rl.tasks.make_task); with a warm start, a task that
+    has no demonstrations is a ConfigError now, not after the model is built."""
+    from rl.tasks import make_task as make
+
+    task = make(cfg.task, tokenizer, preset=cfg.model.init != "hf", imports=cfg.imports)
+    if cfg.sft.steps > 0:
+        try:
+            task.demonstration(task.problems("train", 1)[0])
+        except C.ConfigError:
+            task.close()
+            raise
+    return task
+
+
 def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
     """The run's initial policy on `mesh`: a preset at cfg.seed, or a Hugging Face checkpoint."""
     if cfg.model.init == "hf":

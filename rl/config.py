@@ -81,7 +81,12 @@ class ModelSection:
     preset: Literal["tiny", "qwen2_0p5b", "qwen2_1p5b"] = F(
         "tiny", "model shape when init=preset (random init, then the supervised warm start)"
     )
-    path: str = F("", "local Hugging Face directory when init=hf")
+    path: str = F("", "local Hugging Face directory when init=hf (weights, config, tokenizer)")
+    tokenizer: str = F(
+        "",
+        "init=hf: a directory whose tokenizer (tokenizer.json, its config and chat template) the "
+        "run uses instead of model.path's",
+    )
     dtype: Literal["float32", "bfloat16"] = F("float32", "compute dtype")
     param_dtype: Literal["float32", "bfloat16"] = F("float32", "parameter dtype")
     attention_impl: Literal["xla", "cudnn"] = F("xla", "dot_product_attention implementation")
@@ -102,13 +107,26 @@ class ModelSection:
 class TaskSection:
     name: str = F(
         "arithmetic",
-        "task to train on (longtail: synthetic long-tailed lengths, for benchmarks)",
+        "task to train on (dataset: the user's JSONL / Parquet files, docs/data.md; longtail: "
+        "synthetic long-tailed lengths, for benchmarks)",
         choices=task_names,
-        registry="rl.tasks.TASKS",
+        registry="rl.tasks.register_task",
     )
     seed: int = F(0, "seed of the task's problem generator (train/eval splits are disjoint)")
     num_eval: int = F(256, "held-out problems evaluated every eval_every updates")
+    eval_samples: int = F(
+        0,
+        "k: at the start and the end, also k sampled completions (rollout.temperature) of each "
+        "held-out problem: eval/pass@1, eval/pass@k, eval/maj@k; 0 = off",
+    )
     options: dict[str, Any] = F({}, "task-specific keyword arguments (e.g. digits for arithmetic)")
+    chat: bool | Literal["auto"] = F(
+        "auto",
+        "render prompts with the tokenizer's chat template (a plain prompt as one user message): "
+        "true, false, or auto = whenever the tokenizer has one, except the character tokenizer "
+        "of presets",
+    )
+    system_prompt: str = F("", "with chat rendering: a system message put before each prompt")
 
 
 @dataclasses.dataclass
@@ -352,6 +370,12 @@ class LoggingSection:
 
 @dataclasses.dataclass
 class RunConfig:
+    imports: list[str] = F(
+        [],
+        "Python modules imported before the config is checked, so that the tasks, rewards, "
+        "losses and advantages they register (register_task, register_reward, ...) are valid "
+        "names",
+    )
     name: str = F("default", "run name; the run directory is <run_root>/<name>")
     run_root: str = F("runs", "parent directory of run directories")
     seed: int = F(0, "seed of initialisation, sampling and data order")
@@ -483,9 +507,30 @@ def from_dict(data: dict | None) -> RunConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"<root>: expected a mapping of sections, got {data!r}")
+    import_modules(data.get("imports", []))
     cfg = build_section(RunConfig, data)
     check(cfg)
     return cfg
+
+
+def import_modules(names: Any) -> None:
+    """Imports the config's `imports` (a user's registrations); ConfigError naming the one that
+    fails."""
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"imports: expected a list of module names, got {names!r}")
+    import importlib
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` finds modules
+        sys.path.insert(0, os.getcwd())
+    for i, name in enumerate(names):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported
+            raise ConfigError(
+                f"imports[{i}]: cannot import {name!r}: {type(e).__name__}: {e}"
+            ) from None
 
 
 FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

@@ -181,7 +181,6 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
     run that cannot be replayed."""
     import jax
 
-    from models.tokenizer import load_tokenizer
     from rl import build
     from rl.agent import run_episodes
     from rl.evaluate import evaluate
@@ -189,7 +188,6 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
     from rl.rollout.base import Weights
     from rl.rollout.jax_engine import JaxEngine
     from rl.sft import warm_start_run
-    from rl.tasks import get_task
 
     cfg = C.load(os.path.join(run_dir, "config.yaml"), [])
     if not cfg.rollout.batch_invariant:
@@ -217,8 +215,8 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
         for line in f:
             row = json.loads(line)
             metrics.setdefault(row["step"], {}).update(row)
-    tokenizer = load_tokenizer(os.path.join(run_dir, "tokenizer"))
-    task = get_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
+    task = build.make_task(cfg, build.make_tokenizer(cfg, run_dir)[1])
+    tokenizer = task.tokenizer
     eval_problems = task.problems("eval", cfg.task.num_eval)
     work_dir = work_dir or tempfile.mkdtemp(prefix="replay-")
     _, learner, ckpt = build.make_learner(cfg, tokenizer.vocab_size, jax.devices(), work_dir)

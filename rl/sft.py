@@ -15,7 +15,7 @@ from rl.types import Episode
 def demo_episode(task, tokenizer, problem) -> Episode:
     """A demonstration as an episode: completion tokens trained, tool responses masked."""
     prompt = tokenizer.encode(problem.prompt)
-    comp = tokenizer.encode(task.demonstration(problem)) + [tokenizer.eos_id]
+    comp = tokenizer.encode(task.demonstration(problem)) + [tokenizer.end_ids[0]]
     mask = np.ones(len(comp), np.int8)
     open_id = close_id = None
     try:

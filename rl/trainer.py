@@ -20,20 +20,18 @@ import traceback
 
 import jax
 
-from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl import build, placement
 from rl import config as C
 from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
 from rl.dispatch import Dispatcher, LocalRollout
-from rl.evaluate import evaluate
+from rl.evaluate import evaluate, evaluate_sampled
 from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import pin_learner
 from rl.replay import ScheduleWriter
 from rl.rollout.base import WorkerLost
 from rl.sft import warm_start_run
-from rl.tasks import get_task
 
 
 class Trainer:
@@ -64,11 +62,9 @@ class Trainer:
         self.run_dir = run_dir or os.path.join(cfg.run_root, cfg.name)
         os.makedirs(self.run_dir, exist_ok=True)
         C.dump(cfg, os.path.join(self.run_dir, "config.yaml"))
-        self.tok_dir = os.path.join(self.run_dir, "tokenizer")
-        if not os.path.exists(os.path.join(self.tok_dir, "tokenizer.json")):
-            build_task_tokenizer(self.tok_dir)
-        self.tokenizer = load_tokenizer(self.tok_dir)
-        self.task = get_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
+        self.tok_dir, tokenizer = build.make_tokenizer(cfg, self.run_dir)
+        self.task = build.make_task(cfg, tokenizer)
+        self.tokenizer = self.task.tokenizer  # with the chat's end of turn when prompts use it
         self.eval_problems = self.task.problems("eval", cfg.task.num_eval)
         self._train_problems: list = []
         self.eta = build.effective_eta(cfg)
@@ -162,6 +158,8 @@ class Trainer:
             chan = lockstep.channel()
             if chan is not None:  # the other hosts close their checkpointers with this one
                 steps.append(lambda: chan.end(failed))
+        if getattr(self, "task", None) is not None:
+            steps.append(self.task.close)
         for res in (getattr(self, "writer", None), self.ckpt):
             if res is not None:
                 steps.append(res.close)
@@ -242,14 +240,28 @@ class Trainer:
         rollout = LocalRollout(engine, self.task, self.tokenizer, build.streams(cfg))
         return rollout, engine, evaluator
 
-    def evaluate(self, engine) -> dict:
-        """Greedy (by default) decoding of the held-out split: accuracy and reward. An
+    def evaluate(self, engine, sampled: bool = False) -> dict:
+        """Greedy (by default) decoding of the held-out split: accuracy and reward; with
+        `sampled` and task.eval_samples k, also pass@1, pass@k and maj@k of k samples. An
         evaluation whose rollout process was lost runs again on the replacement (each loss
         uses one of the engine's limited replacements)."""
         params = build.sampling(self.cfg, greedy=True)
+        k = self.cfg.task.eval_samples if sampled else 0
         while True:
             try:
-                return evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
+                out = evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
+                if k:
+                    out.update(
+                        evaluate_sampled(
+                            engine,
+                            self.task,
+                            self.tokenizer,
+                            self.eval_problems,
+                            build.sampling(self.cfg),
+                            k,
+                        )
+                    )
+                return out
             except WorkerLost:
                 continue
 
@@ -402,7 +414,7 @@ class Trainer:
         if on_engine is not None:
             on_engine(engine)
         if self.restored is None:
-            ev = self.evaluate(evaluator)
+            ev = self.evaluate(evaluator, sampled=True)
             summary["eval/accuracy_start"] = ev["eval/accuracy"]
             self.writer.log(0, 0, {**summary, **ev})
             self.schedule.start(start)
@@ -442,7 +454,7 @@ class Trainer:
                     t_sync = self.publish(engine, new, coord, buffer)
                 row, stale = update_row(groups, batch, met, version)
                 row.update(meter.row(t_wait, t_sync), **buffer.metrics(), **buffer.sampled())
-                row.update(engine_metrics(engine.stats()))
+                row.update(engine_metrics(engine.stats()), **self.task.stats())
                 row["staleness/bound"] = float(self.eta)
                 row["coordinator/redispatched"] = float(coord.redispatched)
                 if self.remote:
@@ -452,7 +464,7 @@ class Trainer:
                 if evaluated:
                     if evaluator is not engine:
                         evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
-                    row.update(self.evaluate(evaluator))
+                    row.update(self.evaluate(evaluator, sampled=new == t.total_updates))
                 self.schedule.update(new, groups, bool(evaluated))
                 if on_update is not None:
                     on_update(new, row)

@@ -121,7 +121,7 @@ def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path)
         Weights(params=trainer.learner.params()),
         trainer.learner.model.config,
         version=0,
-        task={"name": "arithmetic", "seed": 0, "options": {}},
+        task={"section": {"name": "arithmetic"}, "preset": True, "imports": []},
         tokenizer_dir=trainer.tok_dir,
         options=opts,
         engine_kwargs={"max_batch": B * N},

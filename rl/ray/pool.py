@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from rl import config as C
 from rl.build import vllm_engine_options, vllm_launch_options
 from rl.ray.cluster import connect, first_line
 from rl.ray.param_server import ParamServerActor
@@ -516,7 +517,11 @@ def worker_pool(
         weights,
         model_config,
         version=version,
-        task={"name": cfg.task.name, "seed": cfg.task.seed, "options": dict(cfg.task.options)},
+        task={
+            "section": C.to_dict(cfg.task),
+            "preset": cfg.model.init != "hf",
+            "imports": list(cfg.imports),
+        },
         tokenizer_dir=tokenizer_dir,
         options=opts,
         engine_kwargs={

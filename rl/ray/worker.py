@@ -46,8 +46,9 @@ class RolloutActor:
 
         from models.params import abstract_params, fill_params
         from models.tokenizer import load_tokenizer
+        from rl import config as C
         from rl.rollout.jax_engine import JaxEngine
-        from rl.tasks import get_task
+        from rl.tasks import make_task
 
         self.hosts = []  # the vLLM servers this worker launched (they die with it)
         if vllm is not None:  # vLLM hosts on this node; `weights` is a published HF directory
@@ -60,12 +61,16 @@ class RolloutActor:
                 lambda x: jax.device_put(x, device), fill_params(template, weights)
             )
             self.engine = JaxEngine(nnx.merge(graphdef, params), version=version, **engine_kwargs)
-        self.task = get_task(task["name"], seed=task["seed"], **task["options"])
         tok_dir = tempfile.mkdtemp(prefix=f"tandem-{name}-tok-")
         for fname, data in tokenizer_files.items():
             with open(os.path.join(tok_dir, fname), "wb") as f:
                 f.write(data)
-        self.tokenizer = load_tokenizer(tok_dir)
+        C.import_modules(task["imports"])  # the user's registered tasks and rewards
+        section = C.build_section(C.TaskSection, task["section"], "task")
+        self.task = make_task(
+            section, load_tokenizer(tok_dir), preset=task["preset"], imports=task["imports"]
+        )
+        self.tokenizer = self.task.tokenizer
         self.closing = False
         print(f"{name}: pid {os.getpid()}, cores {sorted(os.sched_getaffinity(0))}", flush=True)
 

@@ -1,0 +1,184 @@
+"""python -m launch.demo OUT_DIR [--preset tiny] [--sft-steps N] [--seed S]
+
+Makes what a user brings to Tandem, without a model hub: a data set of synthetic multi-step word
+problems (OUT_DIR/data/train.jsonl and eval.jsonl, fields prompt / answer / solution; train and
+held-out problems split by their numbers and operations, so no held-out problem has a twin in
+training that differs only in names or items), and a small checkpoint (OUT_DIR/checkpoint: a
+byte-level BPE tokenizer with a Qwen-style chat template, pretrained by the project's own
+supervised trainer on the training problems' worked solutions, saved as a Hugging Face directory
+that transformers and vLLM load). RL then starts from that directory as from any user's:
+configs/wordproblems.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+NAMES = ("Mia", "Tom", "Ana", "Leo", "Sam", "Eva", "Max", "Zoe", "Ben", "Ivy")
+ITEMS = ("apples", "pens", "coins", "books", "cards", "shells", "stickers", "marbles")
+OTHERS = ("a friend", "a cousin", "a neighbour", "the teacher")
+
+
+def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, str, int]:
+    """One operation on the running total: (sentence, worked line, new total)."""
+    other = rng.choice(OTHERS)
+    if total >= 4 and rng.random() < 0.5:
+        c = rng.randint(1, min(total - 1, 19))
+        text = rng.choice(
+            (
+                f"Then {name} gives {c} {item} to {other}.",
+                f"Then {name} loses {c} {item}.",
+                f"Then {name} sells {c}.",
+            )
+        )
+        return text, f"{total} - {c} = {total - c}.", total - c
+    if total <= 20 and rng.random() < 0.25:
+        k = rng.randint(2, 3)
+        word = {2: "twice", 3: "three times"}[k]
+        return f"Then {name} ends up with {word} as many.", f"{total} * {k} = {total * k}.", total * k
+    b = rng.randint(2, 19)
+    text = rng.choice(
+        (
+            f"Then {name} buys {b} more {item}.",
+            f"Then {name} gets {b} {item} from {other}.",
+            f"Then {name} finds {b} more.",
+        )
+    )
+    return text, f"{total} + {b} = {total + b}.", total + b
+
+
+def word_problem(rng: random.Random) -> dict:
+    """A problem of two or three steps: prompt, answer, worked solution, and its split key (the
+    numbers and operations, without names or items)."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    if rng.random() < 0.3:
+        a, b = rng.randint(2, 6), rng.randint(2, 6)
+        sentences = [f"{name} has {a} boxes with {b} {item} in each box."]
+        lines, total = [f"{a} * {b} = {a * b}."], a * b
+    else:
+        total = rng.randint(3, 30)
+        sentences, lines = [f"{name} has {total} {item}."], []
+    for _ in range(rng.randint(2, 3) - len(lines)):
+        text, line, total = _step(rng, total, name, item)
+        sentences.append(text)
+        lines.append(line)
+    sentences.append(f"How many {item} does {name} have now?")
+    key = " ".join(line.split("=")[0] for line in lines)  # e.g. "12 + 5  17 - 3 "
+    return {
+        "prompt": " ".join(sentences),
+        "answer": str(total),
+        "solution": " ".join(lines) + f" #### {total}",
+        "key": key,
+    }
+
+
+def write_data(out_dir: str, *, seed: int, n_train: int, n_eval: int) -> tuple[str, str]:
+    """train.jsonl and eval.jsonl under out_dir; held-out keys never occur in training."""
+    import hashlib
+
+    rng = random.Random(f"wordproblems:{seed}")
+    train, held, held_keys, seen = [], [], set(), set()
+    while len(train) < n_train or len(held) < n_eval:
+        p = word_problem(rng)
+        h = int(hashlib.sha256(p["key"].encode()).hexdigest()[:8], 16) / 2**32
+        if h < 0.15:
+            if len(held) < n_eval and p["key"] not in held_keys:
+                held_keys.add(p["key"])
+                held.append(p)
+        elif len(train) < n_train and p["prompt"] not in seen:
+            seen.add(p["prompt"])
+            train.append(p)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, rows in (("train", train), ("eval", held)):
+        path = os.path.join(out_dir, f"{name}.jsonl")
+        with open(path, "w") as f:
+            for r in rows:
+                f.write(json.dumps({k: r[k] for k in ("prompt", "answer", "solution")}) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def make_checkpoint(
+    out_dir: str, train_file: str, eval_file: str, *, preset: str, sft_steps: int, seed: int
+) -> dict:
+    """Tokenizer, pretraining by the supervised trainer, and the HF directory out_dir."""
+    import jax
+
+    from models import save_hf
+    from models.tokenizer import build_bpe_tokenizer, load_tokenizer
+    from rl import build
+    from rl import config as C
+    from rl.sft import warm_start
+    from rl.tasks import ChatTask, DatasetTask
+
+    with open(train_file) as f:
+        rows = [json.loads(line) for line in f]
+    tok_dir = os.path.join(out_dir + ".work", "tokenizer")
+    corpus = [r["prompt"] + " " + r["solution"] for r in rows]
+    build_bpe_tokenizer(tok_dir, corpus, vocab_size=512)
+    tokenizer = load_tokenizer(tok_dir).with_turn_end()
+    end_ids = list(tokenizer.end_ids)  # <|im_end|> (the chat's end of turn), <|endoftext|>
+    cfg = C.from_dict(
+        {
+            "seed": seed,
+            "model": {
+                "preset": preset,
+                "overrides": {"eos_token_id": end_ids, "pad_token_id": tokenizer.pad_id},
+            },
+            "sft": {"steps": sft_steps, "batch_size": 64, "lr": 1e-3},
+        }
+    )
+    task = DatasetTask(
+        train_files=(train_file,),
+        eval_files=(eval_file,),
+        solution_field="solution",
+        reward_workers=0,
+    )
+    chat = ChatTask(task, tokenizer, chat=True)
+    _, learner, ckpt = build.make_learner(
+        cfg, tokenizer.vocab_size, jax.devices(), out_dir + ".work"
+    )
+    ckpt.close()
+    summary, curve = warm_start(
+        learner,
+        chat,
+        tokenizer,
+        cfg.sft,
+        rl_step=build.rl_step_cfg(cfg),
+        sft_tx=build.sft_optimizer(cfg),
+    )
+    save_hf(learner.model, out_dir, tokenizer_dir=tok_dir)
+    chat.close()
+    return {**summary, "loss_curve": curve}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Writes the data set and the checkpoint."""
+    parser = argparse.ArgumentParser(prog="python -m launch.demo", description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--preset", default="tiny", help="model shape (tiny, qwen2_0p5b)")
+    parser.add_argument("--sft-steps", type=int, default=300, help="pretraining steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=int, default=20000, help="training problems")
+    parser.add_argument("--eval", type=int, default=256, help="held-out problems")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    data = os.path.join(args.out_dir, "data")
+    train_file, eval_file = write_data(data, seed=args.seed, n_train=args.train, n_eval=args.eval)
+    print(f"data: {train_file}, {eval_file}", file=sys.stderr)
+    ckpt = os.path.join(args.out_dir, "checkpoint")
+    out = make_checkpoint(
+        ckpt, train_file, eval_file, preset=args.preset, sft_steps=args.sft_steps, seed=args.seed
+    )
+    print(f"checkpoint: {ckpt}", file=sys.stderr)
+    print(json.dumps({k: out[k] for k in ("sft/loss", "sft/time", "sft/steps")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
