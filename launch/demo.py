@@ -39,7 +39,11 @@ def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, st
     if total <= 20 and rng.random() < 0.25:
         k = rng.randint(2, 3)
         word = {2: "twice", 3: "three times"}[k]
-        return f"Then {name} ends up with {word} as many.", f"{total} * {k} = {total * k}.", total * k
+        return (
+            f"Then {name} ends up with {word} as many.",
+            f"{total} * {k} = {total * k}.",
+            total * k,
+        )
     b = rng.randint(2, 19)
     text = rng.choice(
         (
