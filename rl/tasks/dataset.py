@@ -87,15 +87,17 @@ class Row:
 
 def check_row(row: dict, where: str, task: DatasetTask, answer_field: str) -> Row:
     """A Row from a raw row; DataError naming where and the field if it is unusable."""
-    cols = ", ".join(sorted(row)) or "none"
+    # A file's rows share one schema: a field a row lacks reads as null.
+    cols = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
 
     def get(name: str, required: bool = True):
         try:
-            return field(row, name)
+            value = field(row, name)
         except KeyError:
-            if required:
-                raise DataError(f"{where}: field {name!r} is missing (columns: {cols})") from None
-            return None
+            value = None
+        if value is None and required:
+            raise DataError(f"{where}: field {name!r} is missing or null (columns: {cols})")
+        return value
 
     prompt = get(task.prompt_field)
     if isinstance(prompt, list):
