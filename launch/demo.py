@@ -25,7 +25,7 @@ OTHERS = ("a friend", "a cousin", "a neighbour", "the teacher")
 
 
 def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, str, int]:
-    """One operation on the running total: (sentence, worked line, new total)."""
+    """One operation on the running total: (sentence, operator, operand)."""
     other = rng.choice(OTHERS)
     if total >= 4 and rng.random() < 0.5:
         c = rng.randint(1, min(total - 1, 19))
@@ -36,15 +36,11 @@ def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, st
                 f"Then {name} sells {c}.",
             )
         )
-        return text, f"{total} - {c} = {total - c}.", total - c
+        return text, "-", c
     if total <= 20 and rng.random() < 0.25:
         k = rng.randint(2, 3)
         word = {2: "twice", 3: "three times"}[k]
-        return (
-            f"Then {name} ends up with {word} as many.",
-            f"{total} * {k} = {total * k}.",
-            total * k,
-        )
+        return f"Then {name} ends up with {word} as many.", "*", k
     b = rng.randint(2, 19)
     text = rng.choice(
         (
@@ -53,42 +49,58 @@ def _step(rng: random.Random, total: int, name: str, item: str) -> tuple[str, st
             f"Then {name} finds {b} more.",
         )
     )
-    return text, f"{total} + {b} = {total + b}.", total + b
+    return text, "+", b
 
 
-def word_problem(rng: random.Random) -> dict:
-    """A problem of two or three steps: prompt, answer, worked solution, and its split key (the
-    numbers and operations, without names or items)."""
+OPS = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+
+
+def word_problem(rng: random.Random, slip: float = 0.0) -> dict:
+    """A problem of two or three operations: prompt, answer, the demonstrator's worked
+    solution, and its split key (the numbers and operations, without names or items). With
+    probability `slip` per step the demonstrator writes an addition one too high or a
+    subtraction one too low, and carries on from the slipped value."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     if rng.random() < 0.3:
         a, b = rng.randint(2, 6), rng.randint(2, 6)
         sentences = [f"{name} has {a} boxes with {b} {item} in each box."]
-        lines, total = [f"{a} * {b} = {a * b}."], a * b
+        ops, total = [("*", b)], a * b
+        start = a
     else:
-        total = rng.randint(3, 30)
-        sentences, lines = [f"{name} has {total} {item}."], []
-    for _ in range(rng.randint(2, 3) - len(lines)):
-        text, line, total = _step(rng, total, name, item)
+        total = start = rng.randint(3, 30)
+        sentences, ops = [f"{name} has {total} {item}."], []
+    for _ in range(rng.randint(2, 3) - len(ops)):
+        text, op, y = _step(rng, total, name, item)
         sentences.append(text)
-        lines.append(line)
+        ops.append((op, y))
+        total = OPS[op](total, y)
     sentences.append(f"How many {item} does {name} have now?")
-    key = " ".join(line.split("=")[0] for line in lines)  # e.g. "12 + 5  17 - 3 "
+    lines, shown = [], start
+    for op, y in ops:  # the demonstrator works the chain, slipping on + and -
+        value = OPS[op](shown, y)
+        if op != "*" and rng.random() < slip:
+            value += 1 if op == "+" else -1
+        lines.append(f"{shown} {op} {y} = {value}.")
+        shown = value
+    key = " ".join(f"{op}{y}" for op, y in ops) + f" from {start}"
     return {
         "prompt": " ".join(sentences),
         "answer": str(total),
-        "solution": " ".join(lines) + f" #### {total}",
+        "solution": " ".join(lines) + f" #### {shown}",
         "key": key,
     }
 
 
-def write_data(out_dir: str, *, seed: int, n_train: int, n_eval: int) -> tuple[str, str]:
+def write_data(
+    out_dir: str, *, seed: int, n_train: int, n_eval: int, slip: float = 0.0
+) -> tuple[str, str]:
     """train.jsonl and eval.jsonl under out_dir; held-out keys never occur in training."""
     import hashlib
 
     rng = random.Random(f"wordproblems:{seed}")
     train, held, held_keys, seen = [], [], set(), set()
     while len(train) < n_train or len(held) < n_eval:
-        p = word_problem(rng)
+        p = word_problem(rng, slip)
         h = int(hashlib.sha256(p["key"].encode()).hexdigest()[:8], 16) / 2**32
         if h < 0.15:
             if len(held) < n_eval and p["key"] not in held_keys:
@@ -109,16 +121,26 @@ def write_data(out_dir: str, *, seed: int, n_train: int, n_eval: int) -> tuple[s
 
 
 def make_checkpoint(
-    out_dir: str, train_file: str, eval_file: str, *, preset: str, sft_steps: int, seed: int
+    out_dir: str,
+    train_file: str,
+    eval_file: str,
+    *,
+    preset: str,
+    sft_steps: int,
+    seed: int,
+    target_accuracy: float = 0.0,
+    lr: float = 1e-3,
+    dtype: str = "float32",
 ) -> dict:
-    """Tokenizer, pretraining by the supervised trainer, and the HF directory out_dir."""
+    """Tokenizer, pretraining by the supervised trainer (stopped at sft_steps, or once greedy
+    accuracy on training problems reaches target_accuracy), and the HF directory out_dir."""
     import jax
 
     from models.hf import save_hf_tensors, to_hf_tensors
     from models.tokenizer import build_bpe_tokenizer, load_tokenizer
     from rl import build
     from rl import config as C
-    from rl.sft import warm_start
+    from rl.sft import accuracy_probe, warm_start
     from rl.tasks import ChatTask, DatasetTask
 
     with open(train_file) as f:
@@ -131,8 +153,16 @@ def make_checkpoint(
     cfg = C.from_dict(
         {
             "seed": seed,
-            "model": {"preset": preset},
-            "sft": {"steps": sft_steps, "batch_size": 64, "lr": 1e-3},
+            "model": {"preset": preset, "dtype": dtype},
+            "sft": {
+                "steps": sft_steps,
+                "batch_size": 64,
+                "lr": lr,
+                "target_accuracy": target_accuracy,
+                "check_every": 20,
+                "probe_size": 128,
+            },
+            "rollout": {"max_new_tokens": 48},
         }
     )
     task = DatasetTask(
@@ -146,14 +176,22 @@ def make_checkpoint(
         cfg, tokenizer.vocab_size, jax.devices(), out_dir + ".work"
     )
     ckpt.close()
-    summary, curve = warm_start(
-        learner,
-        chat,
-        tokenizer,
-        cfg.sft,
-        rl_step=build.rl_step_cfg(cfg),
-        sft_tx=build.sft_optimizer(cfg),
+    probe, close = (
+        accuracy_probe(cfg, learner, chat, tokenizer) if target_accuracy else (None, None)
     )
+    try:
+        summary, curve = warm_start(
+            learner,
+            chat,
+            tokenizer,
+            cfg.sft,
+            rl_step=build.rl_step_cfg(cfg),
+            sft_tx=build.sft_optimizer(cfg),
+            probe=probe,
+        )
+    finally:
+        if close is not None:
+            close()
     from flax import nnx
 
     config = dataclasses.replace(
@@ -171,20 +209,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--preset", default="tiny", help="model shape (tiny, qwen2_0p5b)")
     parser.add_argument("--sft-steps", type=int, default=300, help="pretraining steps")
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=0.0,
+        help="stop pretraining once greedy accuracy on training problems reaches this",
+    )
+    parser.add_argument("--lr", type=float, default=1e-3, help="pretraining learning rate")
+    parser.add_argument("--dtype", default="float32", help="compute dtype (bfloat16: fast path)")
+    parser.add_argument(
+        "--slip",
+        type=float,
+        default=0.6,
+        help="the demonstrator's slips: this fraction of its additions are one too high and of "
+        "its subtractions one too low",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train", type=int, default=20000, help="training problems")
     parser.add_argument("--eval", type=int, default=256, help="held-out problems")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     data = os.path.join(args.out_dir, "data")
-    train_file, eval_file = write_data(data, seed=args.seed, n_train=args.train, n_eval=args.eval)
+    train_file, eval_file = write_data(
+        data, seed=args.seed, n_train=args.train, n_eval=args.eval, slip=args.slip
+    )
     print(f"data: {train_file}, {eval_file}", file=sys.stderr)
     ckpt = os.path.join(args.out_dir, "checkpoint")
     out = make_checkpoint(
-        ckpt, train_file, eval_file, preset=args.preset, sft_steps=args.sft_steps, seed=args.seed
+        ckpt,
+        train_file,
+        eval_file,
+        preset=args.preset,
+        sft_steps=args.sft_steps,
+        seed=args.seed,
+        target_accuracy=args.target_accuracy,
+        lr=args.lr,
+        dtype=args.dtype,
     )
     print(f"checkpoint: {ckpt}", file=sys.stderr)
-    print(json.dumps({k: out[k] for k in ("sft/loss", "sft/time", "sft/steps")}))
+    keys = ("sft/loss", "sft/time", "sft/steps", "sft/probe_accuracy")
+    print(json.dumps({k: out.get(k) for k in keys}))
     return 0
 
 

@@ -275,7 +275,16 @@ def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
     if cfg.model.init == "hf":
         from models import load_hf
 
-        return load_hf(cfg.model.path, mesh=mesh, matmul_precision=cfg.model.matmul_precision)
+        m = cfg.model  # the run's compute settings over the checkpoint's shapes
+        return load_hf(
+            m.path,
+            mesh=mesh,
+            dtype=m.dtype,
+            param_dtype=m.param_dtype,
+            attention_impl=m.attention_impl,
+            remat=m.remat,
+            matmul_precision=m.matmul_precision,
+        )
     return msh.create_model(model_config(cfg, vocab_size), mesh, seed=cfg.seed)
 
 
