@@ -6,6 +6,7 @@ and exported directories carry that tokenizer."""
 
 import json
 import os
+import sys
 
 import pytest
 import transformers
@@ -158,3 +159,48 @@ def test_a_users_checkpoint_with_a_vllm_host(user_files, tmp_path, monkeypatch):
     last = os.path.join(run_dir, "weights", [p for p in published if p.startswith("v")][-1])
     with open(os.path.join(last, "tokenizer_config.json")) as f:
         assert "<|im_start|>" in json.load(f)["chat_template"]
+
+
+def _docs_block(start: str) -> str:
+    """The python block of docs/data.md whose first line is `start`."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "data.md")).read()
+    for block in text.split("```python\n")[1:]:
+        code = block.split("```")[0]
+        if code.startswith(start):
+            return code
+    raise AssertionError(f"no python block starting {start!r} in docs/data.md")
+
+
+@pytest.fixture
+def registries():
+    """The global task and reward registries, put back as they were after the test."""
+    from rl.rewards import REWARDS
+    from rl.tasks import TASKS
+
+    saved = [(r, dict(r)) for r in (TASKS, REWARDS)]
+    yield TASKS, REWARDS
+    for registry, before in saved:
+        registry.clear()
+        registry.update(before)
+    for name in ("my_tasks", "my_rewards"):
+        sys.modules.pop(name, None)
+
+
+def test_the_docs_task_and_reward_register_from_a_users_module(tmp_path, monkeypatch, registries):
+    from rl import build
+
+    tasks, rewards = registries
+    (tmp_path / "my_tasks.py").write_text(_docs_block("# my_tasks.py"))
+    (tmp_path / "my_rewards.py").write_text(_docs_block("# my_rewards.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = C.load(None, ["imports=[my_rewards, my_tasks]", "task.name=echo", "sft.steps=0"])
+    task = build.make_task(cfg, build.make_tokenizer(cfg, str(tmp_path / "run"))[1])
+    p = task.problems("eval", 3)[2]
+    assert (p.prompt, task.reward(p, " 2 ").correct, task.reward(p, "3").reward) == (
+        "Say 2.",
+        True,
+        0.0,
+    )
+    assert rewards["starts_with_thinking"].fn("Let me see", "1") == 1.0
+    with pytest.raises(C.ConfigError, match=r"imports\[0\]: cannot import 'not_there'"):
+        C.load(None, ["imports=[not_there]"])
