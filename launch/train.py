@@ -68,14 +68,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_main(cfg, args) -> int:
     """Runs the training job of a validated config (on host 0 of a multi-host learner)."""
+    from rl import accelerator, placement
     from rl import config as C
-    from rl import placement
 
     try:  # what this host cannot run fails now, before the trainer's imports and any work
         place = placement.prepare(cfg)
     except C.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if warning := accelerator.warning(place.backend):  # an accelerator JAX does not use
+        print(warning, file=sys.stderr)
     from rl.trainer import Trainer
 
     try:
