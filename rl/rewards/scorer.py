@@ -41,7 +41,10 @@ class Outcome:
 
 def serve(conn, specs, imports: Sequence[str], where: str) -> None:
     """A worker process: resolves the specs, then scores (completion, sample) messages."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
+    # The parent owns shutdown: a preemption's SIGTERM to the process group (`timeout`, SLURM)
+    # must not kill workers while the run checkpoints; an orphan exits on the pipe's EOF.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import_modules(imports, where)
         rewards = resolve_specs(specs, where)
