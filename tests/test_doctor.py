@@ -23,8 +23,9 @@ def test_doctor_reports_this_cpu(capsys):
     assert "GPU test tier   skipped here" in out
     for name, dist in [("jax", "jax"), ("flax", "flax"), ("orbax", "orbax-checkpoint")]:
         assert f"{name:<16}{importlib.metadata.version(dist)}" in out
-    for name in ("optax", "transformers", "vllm", "ray", "tensorboardX"):  # every one installed
-        assert f"{name:<16}{doctor.installed(name)[0]}" in out
+    for name in ("optax", "transformers", "vllm", "ray", "tensorboardX"):
+        found = doctor.installed(name)  # CI has every one; a GPU machine may lack some
+        assert f"{name:<16}{found[0] if found else 'missing: disables'}" in out
     assert "warning" not in out
     assert out.splitlines()[-1] == f"ok: {CONFIGS / 'default.yaml'} can run here"
 
