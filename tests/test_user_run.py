@@ -144,6 +144,40 @@ def test_a_users_checkpoint_data_and_rewards_with_the_jax_sampler(
     exported = transformers.AutoTokenizer.from_pretrained(out)
     assert exported.get_vocab() == transformers.AutoTokenizer.from_pretrained(ckpt).get_vocab()
     assert exported.chat_template == transformers.AutoTokenizer.from_pretrained(ckpt).chat_template
+    _greedy_answers_agree(out, exported, train_file)
+
+
+def _greedy_answers_agree(hf_dir, hf_tok, train_file):
+    """The exported policy decodes greedily to the same tokens in transformers as in the JAX
+    sampler, stopping at the chat's end of turn."""
+    import numpy as np
+    import torch
+
+    from models import load_hf
+    from rl.rollout.base import GenerationRequest, SamplingParams
+    from rl.rollout.jax_engine import JaxEngine
+
+    rows = [json.loads(line) for line in open(train_file)][:4]
+    stop = tuple(load_tokenizer(hf_dir).with_turn_end().end_ids)
+    engine = JaxEngine(load_hf(hf_dir), version=0, max_batch=4)
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    try:
+        for i, r in enumerate(rows):
+            ids = hf_tok.apply_chat_template(
+                r["prompt"], add_generation_prompt=True, return_dict=False
+            )
+            params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=stop)
+            ours = engine.generate([GenerationRequest(f"r{i}", np.asarray(ids, np.int32), params)])
+            out = torch_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=list(stop),
+                pad_token_id=hf_tok.pad_token_id,
+            )[0, len(ids) :].tolist()
+            assert ours[0].token_ids.tolist() == out
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow
