@@ -22,3 +22,16 @@ def trained_episodes(run_dir) -> dict:
                 assert key not in out, f"episode {key} trained twice"
                 out[key] = e
     return out
+
+
+COMPARED = ("loss/loss", "reward/mean", "episode/length", "eval/reward")
+
+
+def compared_keys(row: dict, step: int) -> list[str]:
+    """The keys of COMPARED in a metrics row, asserting the ones every such row has: the
+    start's evaluation at step 0, the update's loss, reward and length after it (so a renamed
+    key fails the comparison instead of leaving it)."""
+    want = {"eval/reward"} if step == 0 else {"loss/loss", "reward/mean", "episode/length"}
+    keys = [k for k in COMPARED if k in row]
+    assert want <= set(keys), (step, sorted(want - set(keys)))
+    return keys

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 from model_weights import randomize
+from run_files import compared_keys
 
 from models import create_model, tiny
 from rl.placement import core_split
@@ -313,13 +314,10 @@ def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
     assert all(pid != os.getpid() for pid, _ in children)
     assert sorted(plain) == sorted(pinned) == sorted(shared) == [0, 1, 2, 3]
     for step in plain:
-        for key in ("loss/loss", "reward/mean", "episode/length", "eval/reward"):
-            if key in plain[step]:
-                for other in (pinned, shared):
-                    assert other[step][key] == pytest.approx(plain[step][key], abs=1e-6), (
-                        step,
-                        key,
-                    )
+        keys = compared_keys(plain[step], step)
+        for key in keys:
+            for other in (pinned, shared):
+                assert other[step][key] == pytest.approx(plain[step][key], abs=1e-6), (step, key)
     assert plain[3]["episode/length"] > 4  # ignore_eos budgets: longer than the minimum
 
 
