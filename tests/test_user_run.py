@@ -11,6 +11,7 @@ import sys
 import pytest
 import transformers
 from flax import nnx
+from run_files import metric_rows, trained_episodes
 
 from models import config as mc
 from models import sharding as msh
@@ -18,7 +19,6 @@ from models.hf import save_hf_tensors, to_hf_tensors
 from models.tokenizer import build_bpe_tokenizer, load_tokenizer
 from rl import config as C
 from rl.trainer import train
-from tests.run_files import metric_rows, trained_episodes
 
 PROMPTS = [f"Ana has {i} pens. Then Ana buys {i % 7 + 2} more. How many?" for i in range(60)]
 USER_MODULE = '''
