@@ -1,9 +1,16 @@
 """Test setup: 4 fake CPU devices for every test (1-device tests use a sub-mesh), and the skip
 policy: a test may be skipped only for hardware this machine lacks. Tests marked `gpu` are
 skipped when JAX sees no GPU; any other skip, and any xfail, fails the session (exit status 1)
-with a section naming each such test and its reason. A missing package is an error, not a skip."""
+with a section naming each such test and its reason. A missing package is an error, not a skip.
 
+With --coverage-gate (the fast tier: .ci/run, README), coverage.py measures rl/, models/ and
+launch/ in this process, from before any test module imports them, and the run fails naming
+each .py file of theirs that ran no line."""
+
+import io
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,5 +96,75 @@ class SkipPolicy:
             tr.line(f"  {nodeid}: {reason}", red=True)
 
 
+GATED = ("rl", "models", "launch")  # the packages every .py file of which the fast tier must run
+
+
+class CoverageGate:
+    """Measures GATED with coverage.py from configure to session finish (this process only:
+    subprocesses are not measured); fails a passing run when a .py file of theirs ran no line."""
+
+    def __init__(self, root: Path):
+        try:
+            import coverage
+        except ImportError as e:
+            raise pytest.UsageError(
+                "--coverage-gate needs coverage.py: python -m pip install coverage"
+            ) from e
+        early = sorted(m for m in sys.modules if m.split(".")[0] in GATED)
+        if early:  # their module-level lines would already have run, unmeasured
+            raise pytest.UsageError(
+                f"--coverage-gate started after {', '.join(early)} had been imported; "
+                "nothing may import them before tests/conftest.py's pytest_configure"
+            )
+        self.files = sorted(p for pkg in GATED for p in (root / pkg).rglob("*.py"))
+        self.cov = coverage.Coverage(
+            source=[str(root / pkg) for pkg in GATED], data_file=None, config_file=False
+        )
+        self.cov.start()
+        self.unrun: list[Path] | None = None  # None: not checked (the run failed already)
+        self.percent = 0.0
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.cov.stop()
+        if exitstatus != pytest.ExitCode.OK:
+            return  # an incomplete or failing run would list files its failures left unrun
+        data = self.cov.get_data()
+        self.unrun = [p for p in self.files if not data.lines(str(p))]
+        if self.unrun:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        else:
+            self.percent = self.cov.report(file=io.StringIO())
+
+    def pytest_terminal_summary(self, terminalreporter):
+        tr = terminalreporter
+        if self.unrun is None:
+            tr.line("coverage gate: not checked (the run did not pass)")
+        elif not self.unrun:
+            tr.line(
+                f"coverage gate: each of the {len(self.files)} .py files of rl/, models/, "
+                f"launch/ ran (in-process line coverage {self.percent:.0f}%)"
+            )
+        else:
+            tr.section("coverage gate failed", sep="=", red=True, bold=True)
+            tr.line(
+                f"{len(self.unrun)} .py file(s) of rl/, models/, launch/ ran no line in this "
+                "process; import and exercise each from a test of this tier:",
+                red=True,
+            )
+            for path in self.unrun:
+                tr.line(f"  {os.path.relpath(path)}", red=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--coverage-gate",
+        action="store_true",
+        help="measure rl/, models/, launch/ with coverage.py; fail if any .py file ran no line",
+    )
+
+
 def pytest_configure(config):
     config.pluginmanager.register(SkipPolicy(), "tandem-skip-policy")
+    if config.getoption("--coverage-gate"):
+        root = Path(__file__).resolve().parent.parent
+        config.pluginmanager.register(CoverageGate(root), "tandem-coverage-gate")

@@ -27,6 +27,7 @@ def _positive_finite(result: dict[str, str], *names: str) -> None:
         assert math.isfinite(value) and value > 0, f"{name}={result[name]}"
 
 
+@pytest.mark.slow
 def test_learner_result_line(capsys):
     argv = "learner --preset tiny --batch 2 --seq 32 --chunk 48 --remat full --warmup 1 --steps 2"
     assert bench.main(argv.split()) == 0
@@ -41,6 +42,7 @@ def test_learner_result_line(capsys):
     assert "32 of 64 tokens trained" in out  # half of each row
 
 
+@pytest.mark.slow
 def test_learner_compile_only(capsys):
     """--compile-only lowers and compiles the update step, decode chunk and prefill, runs none."""
     argv = "learner --preset tiny --batch 2 --seq 32 --compile-only --decode-chunk 2"
@@ -54,6 +56,7 @@ def test_learner_compile_only(capsys):
     assert "warmup step" not in out and "tokens/s" not in out  # nothing was run
 
 
+@pytest.mark.slow
 def test_sampler_result_line_from_the_command_line():
     """The public surface: `python -m launch.bench sampler ...` in a fresh process."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -72,6 +75,7 @@ def test_sampler_result_line_from_the_command_line():
     assert result["roofline_frac"] == "n/a"
 
 
+@pytest.mark.slow
 def test_attention_result_line(capsys):
     """The Pallas decode attention (interpreted here) against XLA's on the same inputs: a time
     for each and outputs within float32 rounding at every position."""

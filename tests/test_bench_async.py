@@ -18,6 +18,7 @@ from rl.tasks.base import Problem
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_async_prints_result_line(tmp_path):
     cmd = [sys.executable, "-m", "launch.bench", "async", "--updates", "2", "--prompts", "2"]
     cmd += ["--group", "2", "--min-tokens", "4", "--max-tokens", "8", "--eta", "1"]

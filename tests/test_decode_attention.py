@@ -104,6 +104,7 @@ def test_kernel_with_rotary_matches_rotary_then_the_xla_path(splits, k_pos, monk
     assert np.array_equal(np.asarray(v2), np.asarray(want_v))
 
 
+@pytest.mark.slow
 def test_engine_picks_xla_off_a_gpu_and_rejects_bad_choices():
     model = create_model(tiny())
     assert JaxEngine(model).decode_attention == "xla"  # a CPU: "auto" keeps XLA
@@ -118,6 +119,7 @@ def test_engine_picks_xla_off_a_gpu_and_rejects_bad_choices():
     assert JaxEngine(model, devices=jax.devices()[:2]).decode_attention == "xla"
 
 
+@pytest.mark.slow
 def test_decode_runs_the_kernel_as_the_caller_says():
     """interpret=None interprets off a GPU; False compiles it, which a CPU cannot (so the
     caller's choice, e.g. the engine's from its own devices, is the one taken)."""

@@ -18,6 +18,8 @@ from rl.build import model_config
 from rl.checkpoint import restore_params
 from rl.trainer import Trainer, train
 
+pytestmark = pytest.mark.slow  # each test needs a trained run (module fixture)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "configs", "default.yaml")
 TINY = [
@@ -70,7 +72,6 @@ def _restored_trainer(cfg, run_dir) -> Trainer:
     return trainer
 
 
-@pytest.mark.slow
 def test_export_matches_learner_logits(run_dir, hf_dir):
     from transformers import AutoTokenizer
 
@@ -102,7 +103,6 @@ def test_export_matches_learner_logits(run_dir, hf_dir):
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow
 def test_hf_to_orbax_resumes_training(run_dir, hf_dir, tmp_path):
     new_run = str(tmp_path / "imported")
     ckpt = os.path.join(new_run, "checkpoints")

@@ -103,6 +103,7 @@ def models():
     return randomize(create_model(CONFIG, seed=0), 0), randomize(create_model(CONFIG, seed=0), 1)
 
 
+@pytest.mark.slow
 def test_engine_on_two_devices_equals_one_device_engine(models):
     old, new = models
     devs = jax.devices()
@@ -168,6 +169,7 @@ def _run(tmp_path, name, *extra):
     return rows, _devices_of(engines[0].params), _devices_of(trainer.learner.params()), trainer
 
 
+@pytest.mark.slow
 def test_split_sync_run_reproduces_unsplit_run(tmp_path):
     devs = jax.devices()
     plain, eng_devs, learner_devs, _ = _run(tmp_path, "plain", "trainer.placement=in_process")
@@ -182,6 +184,7 @@ def test_split_sync_run_reproduces_unsplit_run(tmp_path):
             assert split[step][key] == pytest.approx(plain[step][key], abs=1e-6), (step, key)
 
 
+@pytest.mark.slow
 def test_async_run_on_two_plus_two_devices(tmp_path):
     devs = jax.devices()
     rows, eng_devs, learner_devs, trainer = _run(

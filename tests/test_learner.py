@@ -120,6 +120,7 @@ def _numpy_ppo_token_mean(logps, episodes, adv, eps=0.2):
 # (a) gradient accumulation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_micro_batches_equal_full_batch(model_state, aggregation):
     eps0 = _episodes()
@@ -156,6 +157,7 @@ def test_micro_batches_equal_full_batch(model_state, aggregation):
 # (b) packing
 
 
+@pytest.mark.slow
 def test_packed_batch_equals_unpacked(model_state):
     eps0 = _episodes(seed=3)
     logps = _numpy_token_logp(_model(model_state), eps0)
@@ -178,6 +180,7 @@ def test_packed_batch_equals_unpacked(model_state):
     assert _max_diff(out["packed"][0], out["unpacked"][0]) < 1e-5
 
 
+@pytest.mark.slow
 def test_traces_count_compilations_of_new_shapes(model_state):
     """Learner.traces (read by the async bench) counts one per new batch shape, none on reuse."""
     eps = _episodes(seed=3)
@@ -193,6 +196,7 @@ def test_traces_count_compilations_of_new_shapes(model_state):
     assert learner.traces > first
 
 
+@pytest.mark.slow
 def test_warm_compiles_the_update_and_leaves_the_state(model_state):
     """Learner.warm (the async bench warms packed shapes with it) compiles what an update of the
     batch runs, on a copy of the state: params, optimizer and version stay as they were, and the
@@ -263,6 +267,7 @@ def test_packed_batch_rejects_sequence_level_losses(model_state):
 # (c) one device vs a (fsdp=2, tensor=2) mesh
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device(model_state):
     """decoupled PPO with 2 minibatches x 2 micro-batches on the 2 x 2 mesh == two 1-device
     steps given the proximal log-probs of the params at the update's start (not of the params

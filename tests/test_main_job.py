@@ -3,8 +3,12 @@ held-out accuracy well past the warm start's. The whole job's runs: docs/results
 
 import os
 
+import pytest
+
 from rl import config as C
 from rl.trainer import Trainer
+
+pytestmark = pytest.mark.slow  # the main job's warm start and 25 RL updates
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
 

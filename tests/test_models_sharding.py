@@ -54,6 +54,7 @@ def _shard_shape(var):
     return shapes.pop()
 
 
+@pytest.mark.slow
 def test_create_model_places_parameters_in_shards():
     config = tiny()
     mesh = make_mesh(fsdp=2, tensor=2)

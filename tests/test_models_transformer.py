@@ -17,6 +17,7 @@ def _loss_and_grads(model, tokens, weights):
     return nnx.jit(nnx.value_and_grad(loss))(model)
 
 
+@pytest.mark.slow
 def test_remat_policies_give_identical_values_and_gradients():
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, 128, (2, 10)))
@@ -35,6 +36,7 @@ def test_remat_policies_give_identical_values_and_gradients():
             assert np.abs(np.asarray(g) - np.asarray(r)).max() <= 1e-5 * scale
 
 
+@pytest.mark.slow
 def test_bfloat16_params_and_compute():
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, 128, (2, 8)))
     f32 = randomize(create_model(tiny(), seed=0))

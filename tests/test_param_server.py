@@ -83,6 +83,7 @@ def _server(tmp_path, trained, **kw) -> ParamServer:
     return ParamServer(str(tmp_path / "weights"), CONFIG, tokenizer_dir=trained["tok_dir"], **kw)
 
 
+@pytest.mark.slow
 def test_publish_from_checkpoint_loads_in_transformers(tmp_path, trained):
     ps = _server(tmp_path, trained, max_shard_bytes=600_000)  # ~2.1 MB of weights: 4 shards
     result = ps.publish(UPDATES, checkpoint_dir=trained["ckpt_dir"])

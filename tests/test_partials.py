@@ -121,6 +121,7 @@ def tok(tmp_path_factory):
     return load_tokenizer(build_task_tokenizer(str(tmp_path_factory.mktemp("tok"))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["drain", "continue", "inflight"])
 def test_halted_groups_come_back_partial_and_continue_after_their_tokens(tok, mode):
     """A real JaxEngine (update mode `mode`): halt + abort mid-generation gives PartialGroups;

@@ -137,6 +137,7 @@ def _preempt(
     return int(last.split("at version ")[1].split(":")[0]), took
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_path):
     total, run_dir = 12, tmp_path / "p"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

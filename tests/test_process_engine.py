@@ -80,11 +80,13 @@ def _assert_same(got, want):
         assert np.abs(g.logprobs - w.logprobs).max() <= 1e-6
 
 
+@pytest.mark.slow
 def test_child_is_pinned(engine):
     assert os.sched_getaffinity(engine.pid) == {0}
     assert engine.child_cores == (0,)
 
 
+@pytest.mark.slow
 def test_generations_equal_in_process_engine(engine, ref):
     got, want = _both(engine, ref, REQS)
     _assert_same(got, want)
@@ -179,6 +181,7 @@ def test_killed_child_raises_clear_error_within_deadline(models):
         eng.close()
 
 
+@pytest.mark.slow
 def test_killed_child_is_replaced_on_the_newest_weights_then_the_limit_stops_it(models):
     """SIGKILL mid-generate with max_restarts=1: the generate raises WorkerLost (its work can be
     dispatched again), the update the child took with it is served by a replacement on the new
@@ -263,6 +266,7 @@ RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_trainer_pin_cores_reproduces_in_process_run(tmp_path):
     """Sync with the rollout in a pinned process, and in an unpinned one (placement process),
     equals the in-process run (losses, rewards, eval). The test process is unpinned afterwards.
@@ -362,6 +366,7 @@ RESTART_RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkilled_rollout_process_past_the_limit_fails_the_run_clearly(tmp_path):
     from rl import config as C
     from rl.trainer import Trainer

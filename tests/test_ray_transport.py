@@ -111,6 +111,7 @@ def test_pack_unpack_round_trip():
             assert (a.num_turns, a.completion_text) == (b.num_turns, b.completion_text)
 
 
+@pytest.mark.slow
 def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path):
     """Direct use of the pool: separate pids, batches as shared-memory numpy, a SIGSTOPped
     worker detected within the health deadline, a hung idle worker skipped (and killed) by a
@@ -176,6 +177,7 @@ def test_worker_processes_object_store_hang_and_restart_limit(cluster, tmp_path)
     assert ray.is_initialized()  # the pool did not shut down a cluster it did not start
 
 
+@pytest.mark.slow
 def test_killed_learner_actor_past_the_restart_limit_fails_the_run_naming_it(cluster, tmp_path):
     """With trainer.ray.max_learner_restarts=0, SIGKILL of the learner actor's process mid-run
     fails the run at once (no hang) with an error naming the learner's pid, its log and the
@@ -207,6 +209,7 @@ def test_killed_learner_actor_past_the_restart_limit_fails_the_run_naming_it(clu
     assert all(_gone(p) for p in seen["pool"].pids())  # the workers were ended with the run
 
 
+@pytest.mark.slow
 def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path):
     """Stop after 2 updates with finished-untrained groups in the buffer; the resumed run trains
     exactly those (never dispatched again), re-dispatches only the rest, continues at version 3."""
@@ -257,6 +260,7 @@ def test_stopped_run_resumes_without_losing_finished_episodes(cluster, tmp_path)
     assert last["buffer/finished"] == total * B + last["buffer/size"]  # each finished once
 
 
+@pytest.mark.slow
 def test_two_learner_hosts_learn_in_lockstep_and_resume(cluster, tmp_path):
     """learner.hosts=2: two learner actors joined by jax.distributed (a 2 x 2 mesh, fsdp across
     them) train; each logs its host id, the checkpoint records two writers, both actors end with

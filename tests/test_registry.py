@@ -270,6 +270,7 @@ def _params(learner):
     return jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(learner.params()))
 
 
+@pytest.mark.slow
 def test_learner_update_with_yaml_loss_matches_numpy(user_losses, tmp_path):
     cfg = C.load(_write(tmp_path, "algorithm:\n  loss: test_reinforce\n"))
     eps = _episodes()

@@ -42,6 +42,7 @@ def _req(rid, prompt_seed, n, max_new, **kw):
     return GenerationRequest(rid, prompt, SamplingParams(max_new_tokens=max_new, **kw))
 
 
+@pytest.mark.slow
 def test_batch_invariant_sampler_log_probs_bit_equal():
     """With cache_len, a request's tokens and log-probs are the same bits alone and in a batch
     (without it only the tokens are: the logits change with the batch's shapes)."""

@@ -64,6 +64,7 @@ def test_kernel_draws_at_the_softmax_probabilities():
     assert freq[big].sum() > 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 @pytest.mark.parametrize("attention", ["xla", "pallas"])
 def test_engine_generates_the_same_with_the_kernels(temperature, attention):
@@ -174,6 +175,7 @@ def test_kernels_asked_for_that_fail_on_the_device_are_a_config_error_fake_lower
     assert engine.decode_attention == "xla" and not engine.sample_kernel
 
 
+@pytest.mark.slow
 def test_auto_decodes_with_xla_when_the_kernels_fail_fake_gpu_platform_and_lowering_fault(
     fresh_probe, monkeypatch, capsys
 ):

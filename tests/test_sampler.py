@@ -143,6 +143,7 @@ def test_served_weights_with_folded_norms_are_within_one_rounding(dtype, bits):
     eng.close()
 
 
+@pytest.mark.slow
 def test_weights_served_in_the_compute_dtype():
     """float32 master weights with bfloat16 compute are served (and copied) as bfloat16: the
     same tokens and log-probs, bit for bit, as an engine given bfloat16 weights."""
@@ -160,6 +161,7 @@ def test_weights_served_in_the_compute_dtype():
     assert outs[0] == outs[1]
 
 
+@pytest.mark.slow
 def test_same_bucket_does_not_retrace(model):
     # As in a training run: the engine copies the weights of a model on the learner's mesh.
     eng = JaxEngine(shard_model(model, make_mesh(devices=jax.devices()[:1])), chunk=4)
@@ -199,6 +201,7 @@ def test_same_bucket_does_not_retrace(model):
     assert eng.traces == 10
 
 
+@pytest.mark.slow
 def test_timeline_records_the_scheduler_calls(model):
     """With a timeline list set, each decode dispatch, read-back, admission (prefill) and weight
     install is recorded with its start and end; every request is admitted once."""
@@ -217,6 +220,7 @@ def test_timeline_records_the_scheduler_calls(model):
     eng.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch-invariant", "fixed slots"])
 def test_warm_compiles_every_program_serving_uses(model, kind):
     """After warm(prompt_len, max_new_tokens) on fixed slots, requests within those lengths, of
@@ -248,6 +252,7 @@ def test_warm_compiles_every_program_serving_uses(model, kind):
     demand.close()
 
 
+@pytest.mark.slow
 def test_engine_warmed_at_construction_serves_top_k_and_greedy_without_tracing(model):
     """JaxEngine(warm=Warm(.., truncate=True)) compiles before serving, besides warm()'s
     programs, the prefills and the decode chunk that truncate (top-k / top-p): requests with
@@ -312,6 +317,7 @@ def test_greedy_equals_argmax_of_full_forward(model, engine):
 # (d) per-request seeds
 
 
+@pytest.mark.slow
 def test_request_output_independent_of_batch(engine):
     target = _req("t", _prompt(7, 6), max_new_tokens=14, temperature=1.0, seed=1234)
     alone = engine.generate([target])[0]
@@ -544,6 +550,7 @@ def test_abort_from_another_thread_returns_partial(engine):
         assert np.abs(g.logprobs[:5] - partial.logprobs).max() < 1e-5
 
 
+@pytest.mark.slow
 def test_interrupting_update_resubmits_on_new_weights(model, tok):
     """`continue` partial rollouts: tokens after the switch come from (and carry) version 1."""
     new_model = randomize(nnx.clone(model), seed=1)
@@ -581,6 +588,7 @@ def test_interrupting_update_resubmits_on_new_weights(model, tok):
     assert np.abs(old_lp[new] - behavior[new]).max() > 1e-2  # the weights really differ
 
 
+@pytest.mark.slow
 def test_inflight_update_goes_on_under_new_weights_with_the_old_cache(model):
     """`inflight`: rows live at the update keep their slots; tokens after the switch carry
     version 1 and the log-probs they were sampled with: the new weights over a cache whose
@@ -661,6 +669,7 @@ def _mixed_requests(tag):
     ]
 
 
+@pytest.mark.slow
 def test_continuous_refills_freed_slots_with_the_same_results(model, engine):
     cont = JaxEngine(model, chunk=4, max_batch=4)
     static = JaxEngine(model, chunk=4, max_batch=4, continuous=False)
@@ -681,6 +690,7 @@ def test_continuous_refills_freed_slots_with_the_same_results(model, engine):
     cont.close(), static.close()
 
 
+@pytest.mark.slow
 def test_results_stream_out_while_a_long_row_runs(model):
     eng = JaxEngine(model, chunk=4, max_batch=4)
     done: dict[str, float] = {}
@@ -719,6 +729,7 @@ def test_drain_update_lets_live_rows_finish_on_their_version(model, tok):
     eng.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_no_decode_chunk_past_every_rows_budget(model, overlap):
     """A chunk starts only while some live row may still need a token: a budget of one ends at

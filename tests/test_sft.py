@@ -3,12 +3,15 @@
 import os
 
 import jax
+import pytest
 
 from models.tokenizer import build_task_tokenizer, load_tokenizer
 from rl import build
 from rl import config as C
 from rl.sft import warm_start, warm_start_run
 from rl.tasks import get_task
+
+pytestmark = pytest.mark.slow  # warm starts that decode greedily to probe accuracy
 
 BASE = ["sft.batch_size=8", "sft.check_every=2", "sft.probe_size=8", "task.num_eval=8"]
 

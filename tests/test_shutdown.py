@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a whole `python -m launch.train` run in a subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

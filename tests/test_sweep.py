@@ -281,6 +281,7 @@ def test_interrupted_run_is_resumed(tmp_path):
     assert "--resume" not in S.command(sw, sw.runs[0], str(run_dir))
 
 
+@pytest.mark.slow
 def test_smoke_sweep_on_ray(tmp_path, capsys):
     """--ray: each run is a Ray task in a worker process (its pid in the log), results as usual."""
     out = tmp_path / "out"

@@ -13,6 +13,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from rl import config as C
 from rl.trainer import train
 
+pytestmark = pytest.mark.slow  # whole training runs (module fixtures)
+
 TOTAL = 3
 BASE = [
     "sft.steps=20",  # enough for well-formed answers: rewards 0 / 0.1 vary within a group

@@ -128,6 +128,7 @@ def _check_run(run_dir, ckpt, train_file):
         assert f.read() == g.read()
 
 
+@pytest.mark.slow
 def test_a_users_checkpoint_data_and_rewards_with_the_jax_sampler(
     user_files, tmp_path, monkeypatch
 ):

@@ -222,6 +222,7 @@ def test_continue_mode_resubmits_the_prefix_on_the_new_version(tmp_path):
         fake.close()
 
 
+@pytest.mark.slow
 def test_fake_stopped_host_is_found_by_its_deadline_and_its_requests_go_to_the_other(tmp_path):
     """A host that stops answering (the fake holds every call, as a SIGSTOPped server would):
     its requests time out after request_timeout_s, /health does not answer either, so it is
