@@ -77,33 +77,42 @@ def build_task_tokenizer(out_dir: str, *, model_max_length: int = 2048) -> str:
         )
     backend.save(os.path.join(out_dir, "tokenizer.json"))
     special_map = {"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
+    specials = {vocab[t]: (t, t in CONTROL_TOKENS or t == UNK) for t in SPECIAL_TOKENS}
+    write_config(out_dir, specials, special_map, CHATML_TEMPLATE, model_max_length)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump(special_map, f, indent=2)
+    return out_dir
+
+
+def write_config(
+    out_dir: str, specials: dict, names: dict, template: str, model_max_length: int
+) -> None:
+    """tokenizer_config.json of a fast tokenizer: `specials` {id: (content, special)} as its
+    added tokens, `names` (eos_token, ...), the chat template; no BOS or EOS added."""
     added = {
-        str(vocab[t]): {
+        str(i): {
             "content": t,
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": t in CONTROL_TOKENS or t == UNK,
+            "special": special,
         }
-        for t in SPECIAL_TOKENS
+        for i, (t, special) in specials.items()
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
         "bos_token": None,
-        **special_map,
+        **names,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": added,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": template,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
-        json.dump(special_map, f, indent=2)
-    return out_dir
 
 
 def _token_content(value) -> str | None:
@@ -299,29 +308,7 @@ def build_bpe_tokenizer(out_dir: str, corpus: Iterable[str], *, vocab_size: int 
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in special
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 2048,
-        "bos_token": None,
-        "eos_token": ENDOFTEXT,
-        "pad_token": ENDOFTEXT,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": added,
-        "chat_template": QWEN_CHAT_TEMPLATE,
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    specials = {tok.token_to_id(t): (t, True) for t in special}
+    names = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT}
+    write_config(out_dir, specials, names, QWEN_CHAT_TEMPLATE, 2048)
     return out_dir
