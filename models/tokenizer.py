@@ -274,16 +274,8 @@ QWEN_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 ENDOFTEXT = "<|endoftext|>"
-# Qwen2.5's ChatML template without its tool-calling branches: an optional system message,
-# then each message as <|im_start|>role\ncontent<|im_end|>\n.
-QWEN_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+# Qwen2.5's template without its tool-calling branches is plain ChatML: the task tokenizer's.
+QWEN_CHAT_TEMPLATE = CHATML_TEMPLATE
 
 
 def build_bpe_tokenizer(out_dir: str, corpus: Iterable[str], *, vocab_size: int = 512) -> str:
