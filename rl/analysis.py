@@ -427,3 +427,60 @@ def plot_seed_study(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out)
+
+
+def _config_value(config: dict, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def paired_gaps(
+    runs: Sequence[Run],
+    x: str,
+    by: str,
+    a: Any,
+    b: Any,
+    metric: str,
+    *,
+    last: int = 1,
+    floor_at: Any = None,
+) -> pd.DataFrame:
+    """A paired comparison of two settings of `by` (config keys, dotted) over seeds: per value of
+    `x`, the gap b - a of each seed's `metric` (the mean of its last `last` logged values), and
+    the gaps' mean, sample std, standard error and count. `floor_at`: the value of x where a and
+    b compute the same thing (an A/A pair); its mean gap is every row's noise floor, and a row is
+    `decided` when its gap, two standard errors in, is beyond the floor's magnitude plus its
+    own two standard errors."""
+    import numpy as np
+    import pandas as pd
+
+    cells: dict[tuple, float] = {}
+    for run in runs:
+        key = (_config_value(run.config, x), _config_value(run.config, by), run.config.get("seed"))
+        if not run.has(metric):
+            _note(f"{run.name}: no {metric}")
+            continue
+        cells[key] = float(run.metrics[metric].dropna().iloc[-last:].mean())
+    rows = []
+    for xv in sorted({k[0] for k in cells}):
+        seeds = sorted(s for (xx, bv, s) in cells if xx == xv and bv == a)
+        gaps = [cells[(xv, b, s)] - cells[(xv, a, s)] for s in seeds if (xv, b, s) in cells]
+        if not gaps:
+            continue
+        g = np.asarray(gaps)
+        std = float(g.std(ddof=1)) if len(g) > 1 else float("nan")
+        rows.append(
+            {x: xv, "gap": float(g.mean()), "std": std, "se": std / np.sqrt(len(g)), "n": len(g)}
+        )
+    out = pd.DataFrame(rows)
+    if floor_at is not None and not out.empty:
+        ref = out[out[x] == floor_at]
+        if ref.empty:
+            raise KeyError(f"no paired runs at {x}={floor_at!r} for the noise floor")
+        floor, floor_se = float(ref["gap"].iloc[0]), float(ref["se"].iloc[0])
+        out["floor"] = floor
+        out["decided"] = (out["gap"].abs() - 2 * out["se"]) > abs(floor) + 2 * floor_se
+        out.loc[out[x] == floor_at, "decided"] = False
+    return out

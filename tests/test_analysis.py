@@ -172,6 +172,39 @@ def test_seed_study_statistics_and_plot(tmp_path):
         analysis.seed_stats(tmp_path, "trainer.nope", by, m)
 
 
+def test_paired_gaps_against_the_a_a_noise_floor(tmp_path):
+    """Gaps b - a paired by seed (SYNTHETIC runs): mean, sample std, standard error; the A/A
+    cell's gap is the floor; only a gap beyond it by two standard errors each is decided."""
+    # per (eta, loss): the last values by seed 0, 1, 2 (the mean of the last two logged)
+    last = {
+        (0, "a"): [0.30, 0.40, 0.50],
+        (0, "b"): [0.32, 0.38, 0.56],  # A/A: gaps 0.02, -0.02, 0.06
+        (8, "a"): [0.20, 0.25, 0.30],
+        (8, "b"): [0.40, 0.46, 0.49],  # gaps 0.20, 0.21, 0.19: decided
+        (4, "a"): [0.30, 0.30, 0.30],
+        (4, "b"): [0.35, 0.25, 0.40],  # gaps 0.05, -0.05, 0.10: within the floor
+    }
+    for (eta, loss), values in last.items():
+        for seed, v in enumerate(values):
+            d = tmp_path / f"eta{eta}-{loss}-{seed}"
+            d.mkdir()
+            config = {"seed": seed, "trainer": {"max_staleness": eta}, "algorithm": {"loss": loss}}
+            (d / "config.yaml").write_text(yaml.safe_dump(config))
+            rows = [{"step": 0, "m": 9.0}, {"step": 1, "m": v - 0.01}, {"step": 2, "m": v + 0.01}]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = analysis.load_runs(str(tmp_path / "eta*"))
+    x = "trainer.max_staleness"
+    t = analysis.paired_gaps(runs, x, "algorithm.loss", "a", "b", "m", last=2, floor_at=0)
+    t = t.set_index(x)
+    assert t.loc[0, "gap"] == pytest.approx(0.02) and t.loc[8, "gap"] == pytest.approx(0.2)
+    assert t.loc[0, "std"] == pytest.approx(0.04)  # sample std (ddof 1) of 0.02, -0.02, 0.06
+    assert t.loc[8, "se"] == pytest.approx(0.01 / math.sqrt(3))
+    assert (t["n"] == 3).all() and t["floor"].tolist() == pytest.approx([0.02] * 3)
+    assert t["decided"].tolist() == [False, False, True]  # eta 0 (the floor), 4, 8
+    with pytest.raises(KeyError, match="noise floor"):
+        analysis.paired_gaps(runs, x, "algorithm.loss", "a", "b", "m", floor_at=2)
+
+
 def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     import nbclient
     import nbformat
