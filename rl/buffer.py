@@ -257,6 +257,32 @@ class GroupBuffer:
         coordinator.resume_in_flight(buf.next_group, set(buf.groups) | buf.consumed)
         return buf
 
+    def accounting(self, partials: Mapping[int, object] = ()) -> dict:
+        """Where every dispatched group is (a preemption's record, preemptions.jsonl): consumed
+        (trained, filtered, dropped, lost: counts), buffered (finished, untrained), in flight with
+        a saved partial (`partials`: its group numbers), and in flight to start again from its
+        prompt (the rest). The parts add up to `dispatched` when the counts agree with the
+        consume cursor; `consumed_ids` (the cursor's count) is there to check that."""
+        with self._cond:
+            dispatched = self.coord.state()["dispatched"]
+            consumed_ids = self.next_group + len(self.consumed)
+            open_ids = [
+                g
+                for g in range(self.next_group, dispatched)
+                if g not in self.consumed and g not in self.groups
+            ]
+            parts = set(partials)
+            out = {"dispatched": dispatched}
+            out.update({k: self.counts[k] for k in ("trained", "filtered", "dropped", "lost")})
+            out.update(
+                consumed_ids=consumed_ids,
+                buffered=sorted(self.groups),
+                partial=sorted(g for g in open_ids if g in parts),
+                restart=sorted(g for g in open_ids if g not in parts),
+                stray_partials=sorted(parts - set(open_ids)),
+            )
+        return out
+
     def sampled(self) -> dict[str, float]:
         """sampled/reward and sampled/correct: means over every episode finished since the last
         call, filtered and dropped groups included (reward/* covers the trained groups only,

@@ -12,6 +12,7 @@ driven through rl/lockstep.py (this process is its host 0).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -338,23 +339,48 @@ class Trainer:
         and continued at resume). The rollout gets half of trainer.preempt_deadline_s to
         return; groups it has not returned by then are dispatched again from their prompts."""
         coord.stop()
-        partials = {}
+        partials, returned = {}, True
         if self._dispatcher is not None:
             self._engine.abort()
             left = self.cfg.trainer.preempt_deadline_s / 2 - (time.monotonic() - self._stop_t)
-            if not self._dispatcher.join(timeout=max(0.0, left)):
-                print(
-                    "preemption: the rollout did not return its groups in time; the groups it "
-                    "holds start again from their prompts at resume",
-                    file=sys.stderr,
-                )
+            returned = self._dispatcher.join(timeout=max(0.0, left))
             partials = self._dispatcher.partials()
         with self._partials_lock:  # saved partials not dispatched again yet stay saved
             partials = {**self._resume_partials, **partials}
         self.save(self.learner.version, coord, buffer, partials)
         self.wait_saved()
+        self._account(buffer, partials, returned)
         summary.update(preempted=self.stop_reason, version=self.learner.version)
         return summary
+
+    def _account(self, buffer: GroupBuffer, partials: dict, returned: bool) -> None:
+        """Appends where every dispatched group is to RUN_DIR/preemptions.jsonl (trained,
+        filtered, dropped, lost, buffered, in flight with a saved partial, in flight to start
+        again) and says it; groups a rollout did not return in time start again from their
+        prompts, and the tokens they had generated are lost: their number is said."""
+        acc = buffer.accounting(partials)
+        acc.update(
+            version=self.learner.version,
+            reason=self.stop_reason,
+            rollout_returned=returned,
+            partial_tokens=sum(p.num_generated for p in partials.values()),
+        )
+        with open(os.path.join(self.run_dir, "preemptions.jsonl"), "a") as f:
+            f.write(json.dumps(acc) + "\n")
+        print(
+            f"preemption: of {acc['dispatched']} groups dispatched, {acc['trained']} trained, "
+            f"{acc['filtered']} filtered, {acc['dropped']} dropped, {acc['lost']} lost, "
+            f"{len(acc['buffered'])} finished and kept, {len(acc['partial'])} in flight kept "
+            f"({acc['partial_tokens']} tokens), {len(acc['restart'])} to start again",
+            file=sys.stderr,
+        )
+        if not returned:
+            print(
+                f"preemption: the rollout did not return its groups in time; "
+                f"{len(acc['restart'])} groups (numbers {acc['restart'][:16]}) start again from "
+                f"their prompts at resume, and the tokens generated for them are lost",
+                file=sys.stderr,
+            )
 
     def run(self, on_engine=None, on_update=None) -> dict:
         """Trains; returns the last logged metrics (with eval/accuracy before and after).

@@ -2,6 +2,7 @@
 and every finished group, and exits 0 within trainer.preempt_deadline_s; --resume continues it,
 every group trained exactly once. A learner wait ended on purpose takes nothing from the buffer."""
 
+import json
 import os
 import signal
 import subprocess
@@ -50,6 +51,42 @@ def test_a_stopped_wait_puts_back_what_it_took(policy):
     buf.stopped = None  # a resumed buffer: the same two groups come first
     buf.put(_group(3, [0, 1]))
     assert [g.group_id for g in buf.get_batch(3, 0, timeout=5)] == [0, 2, 3]
+
+
+def test_accounting_adds_up_and_a_rollout_late_to_return_counts_its_groups(tmp_path, capsys):
+    """The preemption's accounting: consumed (trained, filtered), buffered, in flight with a
+    saved partial, and to start again add up to the dispatched groups; a rollout that did not
+    return in time (the fake: its groups are simply never delivered) has its groups counted and
+    named as starting again, their tokens lost."""
+    import types
+
+    from rl.partials import PartialGroup
+    from rl.trainer import Trainer
+
+    coord = Coordinator(2, 2)
+    buf = GroupBuffer(coord)
+    assert len(coord.admit(8, timeout=1)) == 6
+    buf.put(_group(0, [1, 0]))
+    buf.put(_group(1, [1, 1]))  # filtered
+    buf.put(_group(2, [0, 1]))
+    assert [g.group_id for g in buf.get_batch(2, 0, timeout=5)] == [0, 2]
+    buf.put(_group(4, [1, 0]))  # finished, waiting for group 3
+    partials = {3: PartialGroup(3, "p", 0, ())}
+    acc = buf.accounting(partials)
+    assert acc["dispatched"] == 6 and (acc["trained"], acc["filtered"]) == (2, 1)
+    assert acc["consumed_ids"] == 3 and acc["buffered"] == [4]
+    assert acc["partial"] == [3] and acc["restart"] == [5] and acc["stray_partials"] == []
+
+    run = types.SimpleNamespace(
+        learner=types.SimpleNamespace(version=1), stop_reason="SIGTERM", run_dir=str(tmp_path)
+    )
+    Trainer._account(run, buf, {}, returned=False)  # nothing came back: 3 and 5 start again
+    err = capsys.readouterr().err
+    assert "2 to start again" in err and "numbers [3, 5]" in err, err
+    with open(tmp_path / "preemptions.jsonl") as f:
+        rec = json.loads(f.read())
+    assert rec["restart"] == [3, 5] and rec["rollout_returned"] is False
+    assert rec["version"] == 1 and rec["partial_tokens"] == 0
 
 
 BASE = [
@@ -107,14 +144,14 @@ def _children_cpu_s(pid: int) -> float:
 
 
 def _preempt(
-    cmd, run_dir, rows: int, delay_s: float = 0.0, busy_s: float = 0.0
+    cmd, run_dir, rows: int, delay_s: float = 0.0, busy_s: float = 0.0, env: dict | None = None
 ) -> tuple[int, float]:
     """Runs `cmd`, sends SIGTERM `delay_s` after metrics.jsonl has `rows` rows (with busy_s: once
     the run's child processes, its sampler, have computed busy_s CPU seconds since, i.e. are
     generating), and checks the preemption:
     exit 0 within trainer.preempt_deadline_s, the last line naming the version it stopped at.
-    Returns (that version, seconds from the signal to the exit)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    Returns (that version, seconds from the signal to the exit). env: extra variables."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -163,6 +200,8 @@ def test_sigterm_checkpoints_exits_zero_and_resume_trains_each_group_once(tmp_pa
 # -- nothing lost: groups in flight at the preemption are continued at resume ----------------
 
 LONG_TOKENS = 128
+TRACE_DIR = os.path.join(ROOT, "tests", "decode_trace")  # a sitecustomize: tests/decode_trace
+PYTHONPATH = os.pathsep.join([TRACE_DIR, ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(":")
 
 
 def long_generations(tokens: int = LONG_TOKENS) -> list[str]:
@@ -177,6 +216,31 @@ def long_generations(tokens: int = LONG_TOKENS) -> list[str]:
 LONG = long_generations()
 
 
+def check_accounting(run_dir, step: int, saved: dict) -> dict:
+    """The preemption's record (preemptions.jsonl) against what lies outside the system's counters:
+    its trained groups are those of the episode dumps, its buffered ones the checkpoint's groups
+    file, its in-flight ones the checkpoint's partials file; consumed, buffered and in flight add
+    up to what was dispatched, and nothing was lost, dropped or left to start again."""
+    from rl.checkpoint import load_groups
+
+    with open(run_dir / "preemptions.jsonl") as f:
+        acc = [json.loads(line) for line in f][-1]
+    assert acc["version"] == step and acc["rollout_returned"], acc
+    consumed = acc["trained"] + acc["filtered"] + acc["dropped"] + acc["lost"]
+    assert consumed == acc["consumed_ids"], acc  # the counts agree with the consume cursor
+    parts = consumed + len(acc["buffered"]) + len(acc["partial"]) + len(acc["restart"])
+    assert parts == acc["dispatched"], acc
+    assert acc["lost"] == acc["dropped"] == acc["filtered"] == 0, acc  # filter off, keep policy
+    assert acc["restart"] == [] and acc["stray_partials"] == [], acc
+    trained = {g for g, _ in trained_episodes(run_dir)}
+    assert sorted(trained) == list(range(acc["trained"])), (sorted(trained), acc)
+    buffered = load_groups(str(run_dir / "checkpoints" / f"groups_{step}.npz"))
+    assert sorted(buffered) == acc["buffered"], (sorted(buffered), acc)
+    assert sorted(saved) == acc["partial"], (sorted(saved), acc)
+    assert acc["partial_tokens"] == sum(p.num_generated for p in saved.values())
+    return acc
+
+
 def preempt_and_resume_keeps_partials(
     tmp_path,
     *extra,
@@ -184,20 +248,27 @@ def preempt_and_resume_keeps_partials(
     tokens: int = LONG_TOKENS,
     delay_s: float = 0.0,
     busy_s: float = 0.0,
+    count_decodes: bool = False,
+    chunk_sleep_s: float = 0.0,
 ) -> dict:
-    """SIGTERM while groups are being generated, then --resume; checks that the preemption's
-    checkpoint holds the unfinished groups' partial state and that each is trained with its
-    saved tokens, log-probs and versions unchanged and its generation continued after them.
-    Returns what it measured."""
+    """SIGTERM while groups are being generated, then --resume; checks the preemption's
+    accounting (check_accounting), that its checkpoint holds the unfinished groups' partial
+    state and that each is trained with its saved tokens, log-probs and versions unchanged and
+    its generation continued after them. chunk_sleep_s (the JAX sampler; a fake for timing):
+    the preempted run's sampler sleeps that long before each decode chunk, so the learner waits
+    for it and the signal finds groups in flight. With count_decodes, the resumed run's
+    sampler is traced from outside (tests/decode_trace): each continued sample is one request
+    whose prompt is its saved tokens and which decodes its budget minus its saved prefix, and no
+    request starts one of them again from its prompt. Returns what it measured."""
     from rl.checkpoint import Checkpointer, load_partials
 
     run_dir = tmp_path / "p"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # async (staleness 1): groups for the next update are dispatched ahead, and LONG_TOKENS
-    # decode steps each keep them in flight while the learner trains
     cmd = _train(tmp_path, *long_generations(tokens), f"trainer.total_updates={total}", *extra)
+    slow = {"DECODE_CHUNK_SLEEP_S": str(chunk_sleep_s), "PYTHONPATH": PYTHONPATH}
+    slow = slow if chunk_sleep_s else {}
     # after update 1: the next groups in flight
-    stopped_at, took = _preempt(cmd, run_dir, 2, delay_s, busy_s)
+    stopped_at, took = _preempt(cmd, run_dir, 2, delay_s, busy_s, slow)
     while True:
         assert 1 <= stopped_at < total
         ckpt = Checkpointer(str(run_dir / "checkpoints"))
@@ -207,6 +278,7 @@ def preempt_and_resume_keeps_partials(
             saved = load_partials(ckpt.partials_path(step))
         finally:
             ckpt.close()
+        acc = check_accounting(run_dir, step, saved)
         unfinished = [
             (p.group_id, i, s)
             for p in saved.values()
@@ -219,8 +291,13 @@ def preempt_and_resume_keeps_partials(
         # timing, not a fault: the resumed run is preempted again one update later.
         # (the signal after update stopped_at + 1 must leave an update for the stop to precede)
         assert stopped_at + 2 < total, f"nothing in flight at any preemption: {saved}"
-        stopped_at, took = _preempt([*cmd, "--resume"], run_dir, stopped_at + 2, delay_s, busy_s)
+        stopped_at, took = _preempt(
+            [*cmd, "--resume"], run_dir, stopped_at + 2, delay_s, busy_s, slow
+        )
 
+    trace = tmp_path / "decodes.jsonl"
+    if count_decodes:
+        env.update(DECODE_TRACE=str(trace), PYTHONPATH=PYTHONPATH)
     again = subprocess.run(
         [*cmd, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
     )
@@ -230,7 +307,7 @@ def preempt_and_resume_keeps_partials(
     assert [r["rollout/tokens_discarded"] for r in rows[1:]] == [0.0] * total
     trained = trained_episodes(run_dir)  # raises on any episode trained twice
     assert sorted(trained) == [(g, i) for g in range(total * 2) for i in range(4)]
-    continued = 0
+    continued = older = 0
     for g, i, s in unfinished:
         if (g, i) not in trained:  # in flight, but past the groups the run trains
             continue
@@ -243,27 +320,70 @@ def preempt_and_resume_keeps_partials(
         assert len(e["token_ids"]) == s.prompt_len + tokens, (g, i)  # its whole budget
         assert new_versions and min(new_versions) >= stopped_at, (g, i)
         continued += s.num_generated > 0
+        older += s.num_generated > 0 and min(s.versions[s.prompt_len :]) < stopped_at
     assert continued, "no partial sample with tokens was trained after the resume"
-    return {"exit_s": took, "partial_groups": len(saved), "continued_samples": continued}
+    got = {"exit_s": took, "partial_groups": len(saved), "continued_samples": continued}
+    got.update(older_prefixes=older, accounting={k: acc[k] for k in ("dispatched", "trained")})
+    if count_decodes:
+        got["decoded_after_resume"] = check_decodes(trace, unfinished, tokens)
+    return got
+
+
+def check_decodes(trace, unfinished, budget: int) -> int:
+    """Each saved sample with tokens was continued by exactly one request of the resumed run,
+    prompted with its saved tokens, that decoded its budget minus its saved prefix; none was
+    started again from its bare prompt. Returns the tokens those requests decoded."""
+    sys.path.insert(0, TRACE_DIR)
+    try:
+        from sitecustomize import prompt_sha
+    finally:
+        sys.path.remove(TRACE_DIR)
+    with open(trace) as f:
+        reqs = [json.loads(line) for line in f]
+    assert reqs, "the resumed run's sampler was not traced"
+    by_prompt: dict[str, list[dict]] = {}
+    for r in reqs:
+        by_prompt.setdefault(r["prompt_sha"], []).append(r)
+    decoded, fresh = 0, {}
+    for *_, s in unfinished:  # samples saved before their first token start from the prompt
+        if not s.num_generated:
+            bare = prompt_sha(s.tokens[: s.prompt_len])
+            fresh[bare] = fresh.get(bare, 0) + 1
+    for g, i, s in unfinished:
+        if not s.num_generated:
+            continue
+        got = by_prompt.get(prompt_sha(s.tokens), [])
+        assert len(got) == 1, (g, i, got)  # continued once, after its saved tokens
+        want = budget - s.num_generated
+        assert got[0]["max_new"] == want and got[0]["decoded"] == want, (g, i, got[0], want)
+        bare = prompt_sha(s.tokens[: s.prompt_len])
+        again = len(by_prompt.get(bare, []))  # never regenerated from its prompt
+        assert again == fresh.get(bare, 0), (g, i, again, fresh.get(bare, 0))
+        decoded += want
+    return decoded
 
 
 @pytest.mark.slow
-def test_sigterm_mid_generation_keeps_partials_and_resume_continues_them(tmp_path):
-    """Nothing lost (the JAX engine, trainer.partial=drain): SIGTERM with long generations in
-    flight; the checkpoint holds their partial state and the resumed run continues them
+def test_sigterm_async_sampler_slowed_by_fake_sleeps_keeps_partials_and_resume_decodes_the_rest(
+    tmp_path,
+):
+    """Nothing lost (the JAX engine, async, staleness 1, trainer.partial=drain): SIGTERM with long
+    generations in flight; the preemption's accounting adds up, the checkpoint holds the partial
+    state, and the resumed run's sampler decodes only what each continued sample had left
     (test_vllm_preemption: the same with a vLLM host under `continue`)."""
-    # four updates: with the signal after update 1, updates are left whose groups are in flight.
-    # Sync: the learner waits for the groups while they are generated, so a signal once the
-    # sampler process is computing stops the run at once, mid-generation (async, the learner may
-    # finish its update while the fast sampler finishes its groups, leaving nothing to keep).
-    # 1536 tokens a rollout: seconds of decoding, far more than the 0.1 CPU s waited for.
+    # Async with staleness 1: groups are dispatched a version ahead and generated while the
+    # learner trains. The sampler, slowed by 0.1 s before each 16-token decode chunk (a fake for
+    # timing), is slower than the learner, so the learner waits for groups in flight when the
+    # signal comes (once the sampler process computes after update 1), and under `drain` their
+    # saved tokens are older than the version the run resumes at.
     got = preempt_and_resume_keeps_partials(
         tmp_path,
-        "trainer.partial=drain",
-        "trainer.mode=sync",
-        "trainer.max_staleness=0",
+        "trainer.max_staleness=1",
         total=4,
-        tokens=1536,
+        tokens=1024,
         busy_s=0.1,
+        count_decodes=True,
+        chunk_sleep_s=0.1,
     )
-    print(f"jax engine, drain: {got}")
+    print(f"jax engine, async: {got}")
+    assert got["older_prefixes"], got  # a regeneration would have replaced these versions
