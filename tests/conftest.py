@@ -19,6 +19,18 @@ _flag = "--xla_force_host_platform_device_count=4"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent compilation cache for the session and every process it starts (the same tiny
+# programs compile in many runs; loading one is the same executable, so only time changes).
+# .ci/run shares one between its two tiers; otherwise it is a directory of this session's.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="tandem-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def no_gpu_reason() -> str | None:
