@@ -96,12 +96,15 @@ def final_meta(run_dir) -> dict:
         return json.load(f)
 
 
-def check_run(run_dir, *, total: int, groups_per_update: int, group_size: int, eta: int) -> dict:
+def check_run(
+    run_dir, *, total: int, groups_per_update: int, group_size: int, eta: int, lossless=True
+) -> dict:
     """The invariants of a completed run, from its metrics rows, episode dumps and final
     checkpoint: versions 0..total each logged once; every trained group trained exactly once
     and whole; every dispatched group trained, counted lost / dropped / filtered, buffered in
-    the final checkpoint, or (at most the staleness window) still in flight. Returns the last
-    metrics row."""
+    the final checkpoint, or (at most the staleness window) still in flight. `lossless` (every
+    fault but a learner's death, which takes its updates since the last checkpoint with it):
+    nothing lost or dropped. Returns the last metrics row."""
     B, N = groups_per_update, group_size
     rows = metric_rows(run_dir)
     steps = [r["step"] for r in rows]
@@ -117,6 +120,8 @@ def check_run(run_dir, *, total: int, groups_per_update: int, group_size: int, e
         last.get(f"buffer/{k}", 0.0) for k in ("lost", "dropped", "filtered")
     )
     assert last["buffer/trained"] == total * B
+    if lossless:  # the README's exactly once: no finished group left untrained but filtered
+        assert lost == 0 and dropped == 0, f"{lost} groups lost, {dropped} dropped"
     assert last["buffer/finished"] == total * B + lost + dropped + filtered + last["buffer/size"]
     meta = final_meta(run_dir)
     assert meta["version"] == total and meta["step"] == total

@@ -219,7 +219,9 @@ def test_ray_learner_sigkilled_then_sigstopped(cluster, tmp_path, schedule):
     finally:
         if "sigstop_learner" in seen:
             release(seen["sigstop_learner"])
-    last = check_run(trainer.run_dir, total=total, groups_per_update=B, group_size=N, eta=ETA)
+    last = check_run(
+        trainer.run_dir, total=total, groups_per_update=B, group_size=N, eta=ETA, lossless=False
+    )
     assert "sigstop_learner" in seen, "the schedule's SIGSTOP never ran"
     assert last["learner/restarts"] == 2 and last["rollout/restarts"] == 0
     assert seen["pool"].pids() == seen["workers"]  # the rollout workers kept running
