@@ -1,6 +1,7 @@
 """Test setup: 4 fake CPU devices for every test (1-device tests use a sub-mesh), and the skip
 policy: a test may be skipped only for hardware this machine lacks. Tests marked `gpu` are
-skipped when JAX sees no GPU; any other skip, and any xfail, fails the session (exit status 1)
+skipped when JAX sees no GPU, and may skip themselves for fewer GPUs than they need ("needs n
+GPUs, this host has k"); any other skip, and any xfail, fails the session (exit status 1)
 with a section naming each such test and its reason. A missing package is an error, not a skip.
 
 With --coverage-gate (the fast tier: .ci/run, README), coverage.py measures rl/, models/ and
@@ -9,6 +10,7 @@ each .py file of theirs that ran no line."""
 
 import io
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,6 +61,11 @@ def _reason(report) -> str:
     return f"skipped: {report.longrepr}"
 
 
+# The one other hardware skip a `gpu` test may take: pytest.skip(f"needs {n} GPUs, this host
+# has {k}") with k < n.
+HARDWARE_SKIP = re.compile(r"needs (\d+) GPUs, this host has (\d+)")
+
+
 class SkipPolicy:
     """Collects every skip / xfail that is not a `gpu` test skipped for want of a GPU."""
 
@@ -76,8 +83,20 @@ class SkipPolicy:
                 item.add_marker(pytest.mark.skip(reason=reason))
 
     def _note(self, report):
-        if hasattr(report, "wasxfail") or (report.skipped and report.nodeid not in self.gpu_tests):
+        if hasattr(report, "wasxfail") or (report.skipped and not self._hardware(report)):
             self.offenders.setdefault(report.nodeid or "(collection)", _reason(report))
+
+    def _hardware(self, report) -> bool:
+        """A `gpu` test skipped for hardware this machine lacks: no GPU at all, or fewer GPUs
+        than it needs (the message of HARDWARE_SKIP); a `gpu` test skipped for anything else
+        on a GPU machine breaks the policy too."""
+        if report.nodeid not in self.gpu_tests:
+            return False
+        reason = _reason(report)
+        short = HARDWARE_SKIP.search(reason)
+        return "needs a GPU (none visible" in reason or (
+            short is not None and int(short[2]) < int(short[1])
+        )
 
     def pytest_runtest_logreport(self, report):
         self._note(report)

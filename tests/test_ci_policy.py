@@ -36,6 +36,17 @@ FILES = {
         def test_xfails():
             raise AssertionError
     """,
+    "test_gpu_skips.py": """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_needs_more_gpus():
+            pytest.skip("needs 2 GPUs, this host has 1")
+
+        @pytest.mark.gpu
+        def test_skips_for_another_reason():
+            pytest.skip("slow on this GPU")
+    """,
     "test_module_skip.py": """
         import pytest
 
@@ -47,8 +58,13 @@ FILES = {
 }
 
 
-def _pytest(tmp_path: Path, *files: str) -> tuple[int, str]:
-    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+def _pytest(tmp_path: Path, *files: str, fake_gpu: bool = False) -> tuple[int, str]:
+    conftest = (TESTS / "conftest.py").read_text()
+    if fake_gpu:  # the copy believes it runs on a GPU machine: `gpu` tests are not skipped
+        head = "def no_gpu_reason() -> str | None:\n"
+        assert head in conftest
+        conftest = conftest.replace(head, head + "    return None  # FAKE: a GPU machine\n", 1)
+    (tmp_path / "conftest.py").write_text(conftest)
     shutil.copy(TESTS.parent / "pyproject.toml", tmp_path / "pyproject.toml")  # markers, strict
     for name, text in FILES.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
@@ -95,3 +111,14 @@ def test_any_other_skip_fails_the_run_and_is_named(tmp_path):
     ) in policy, out
     assert "test_on_a_gpu" not in policy, out  # the allowed skip is listed by -rs only
     assert "needs a GPU" in out, out
+
+
+def test_on_a_fake_gpu_machine_a_gpu_test_may_skip_only_for_missing_gpus(tmp_path):
+    """The GPU tier: a `gpu` test may skip for GPUs the host lacks, not for any other reason."""
+    code, out = _pytest(tmp_path, "test_gpu_skips.py", fake_gpu=True)
+    print(out)
+    assert code == 1, out
+    policy = out[out.index("skip policy violated") :]
+    assert "1 test(s) skipped or xfailed" in policy, out
+    assert "test_gpu_skips.py::test_skips_for_another_reason" in policy, out
+    assert "test_needs_more_gpus" not in policy, out
