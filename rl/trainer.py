@@ -318,8 +318,23 @@ class Trainer:
         self.publish(engine, c, coord, buffer)
         self.writer.rewind(c)
         self.schedule.rewind(c)
+        self._set_aside_dumps(c)
         print(f"learner restarted from checkpoint version {c}: {why}", file=sys.stderr)
         return c
+
+    def _set_aside_dumps(self, c: int) -> None:
+        """The episode dumps of updates after version c (lost with a learner) move to
+        episodes/lost/, named by the restart, so the repeated updates' dumps do not overwrite
+        them: a group trained by a lost update and again later stays visible."""
+        lost_dir = os.path.join(self.episodes_dir, "lost")
+        n = self.learner.restarts if self.remote else 0
+        for name in sorted(os.listdir(self.episodes_dir)):
+            if name.startswith("v") and name.endswith(".jsonl") and int(name[1:-6]) > c:
+                os.makedirs(lost_dir, exist_ok=True)
+                os.replace(
+                    os.path.join(self.episodes_dir, name),
+                    os.path.join(lost_dir, f"restart{n}-{name}"),
+                )
 
     # -- the loop -------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:

@@ -7,6 +7,7 @@ comes from CHAOS_SEED (default chaos.DEFAULT_SEED) and is printed first: a failu
 output names the seed that replays it."""
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import time
 import pytest
 import ray
 from chaos import Faults, Schedule, check_run, gone, release
-from run_files import metric_rows
+from run_files import metric_rows, trained_episodes
 from test_checkpoint import COMMIT_MARKER, fail_commit_write, flip, truncate
 
 from rl import config as C
@@ -224,6 +225,14 @@ def test_ray_learner_sigkilled_then_sigstopped(cluster, tmp_path, schedule):
     )
     assert "sigstop_learner" in seen, "the schedule's SIGSTOP never ran"
     assert last["learner/restarts"] == 2 and last["rollout/restarts"] == 0
+    # The dumps of updates a restart lost are set aside (episodes/lost/), not overwritten by
+    # the repeated updates: no group they trained was trained again, and each is counted lost.
+    lost = set()
+    for path in glob.glob(os.path.join(trainer.run_dir, "episodes", "lost", "*.jsonl")):
+        with open(path) as f:
+            lost |= {json.loads(line)["group"] for line in f}
+    assert not lost & {g for g, _ in trained_episodes(trainer.run_dir)}, sorted(lost)
+    assert len(lost) <= last["buffer/lost"], (sorted(lost), last["buffer/lost"])
     assert seen["pool"].pids() == seen["workers"]  # the rollout workers kept running
     learner = trainer.learner
     assert "died" in learner.lost[0], learner.lost

@@ -89,6 +89,29 @@ def test_accounting_adds_up_and_a_rollout_late_to_return_counts_its_groups(tmp_p
     assert rec["version"] == 1 and rec["partial_tokens"] == 0
 
 
+def test_a_learner_rewind_sets_aside_the_lost_updates_dumps(tmp_path):
+    """After a learner goes back to version c, the dumps of updates after c move to
+    episodes/lost/ (named by the restart) instead of being overwritten by the repeated updates,
+    so a group trained by a lost update and again later would show."""
+    import types
+
+    from rl.trainer import Trainer
+
+    episodes = tmp_path / "episodes"
+    episodes.mkdir()
+    for v in range(1, 5):
+        (episodes / f"v{v:06d}.jsonl").write_text(f'{{"group": {v}, "index": 0}}\n')
+    run = types.SimpleNamespace(
+        episodes_dir=str(episodes), remote=True, learner=types.SimpleNamespace(restarts=2)
+    )
+    Trainer._set_aside_dumps(run, 2)
+    assert sorted(p.name for p in episodes.glob("v*.jsonl")) == ["v000001.jsonl", "v000002.jsonl"]
+    lost = sorted(p.name for p in (episodes / "lost").iterdir())
+    assert lost == ["restart2-v000003.jsonl", "restart2-v000004.jsonl"]
+    kept = (episodes / "lost" / "restart2-v000004.jsonl").read_text()
+    assert kept == '{"group": 4, "index": 0}\n'
+
+
 BASE = [
     "sft.steps=0",
     "task.num_eval=4",
