@@ -327,7 +327,7 @@ class Trainer:
         episodes/lost/, named by the restart, so the repeated updates' dumps do not overwrite
         them: a group trained by a lost update and again later stays visible."""
         lost_dir = os.path.join(self.episodes_dir, "lost")
-        n = self.learner.restarts if self.remote else 0
+        n = self.learner.restarts  # only a Ray learner restarts
         for name in sorted(os.listdir(self.episodes_dir)):
             if name.startswith("v") and name.endswith(".jsonl") and int(name[1:-6]) > c:
                 os.makedirs(lost_dir, exist_ok=True)
