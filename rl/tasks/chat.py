@@ -9,6 +9,7 @@ and the same way everywhere.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 from rl.config_rules import ConfigError
@@ -41,6 +42,8 @@ class ChatTask:
     tokenizer: Any
     chat: bool = False
     system_prompt: str = ""
+    _rendered: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _lock: Any = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self):
         if self.chat:
@@ -53,6 +56,12 @@ class ChatTask:
                     f"{self.tokenizer.path} encodes as {len(ids)} tokens {ids}; it needs a "
                     "tokenizer where that text is one token"
                 )
+
+    def __getstate__(self):  # a copy sent to another process renders for itself
+        return {k: v for k, v in self.__dict__.items() if k not in ("_rendered", "_lock")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _rendered={}, _lock=threading.Lock())
 
     def __getattr__(self, name: str):
         if name == "task":  # not set yet (copy, unpickle)
@@ -77,8 +86,14 @@ class ChatTask:
         return dataclasses.replace(problem, prompt=text)
 
     def problems(self, split: str, n: int) -> list[Problem]:
-        """The task's problems, rendered."""
-        return [self.render(p) for p in self.task.problems(split, n)]
+        """The task's problems, rendered. Task lists are prefix-stable, so each problem is
+        rendered once: a longer list renders only its new tail."""
+        with self._lock:  # the dispatcher's threads ask concurrently
+            done = self._rendered.setdefault(split, [])
+            if len(done) < n:
+                raw = self.task.problems(split, n)
+                done.extend([self.render(p) for p in raw[len(done) :]])
+            return done[:n]
 
     def stats(self) -> dict:
         """The task's own counters (a data task's reward failures), if it keeps any."""
