@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.demo", description=__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--preset", default="tiny", help="model shape (tiny, qwen2_0p5b)")
-    parser.add_argument("--sft-steps", type=int, default=500, help="pretraining steps")
+    parser.add_argument("--sft-steps", type=int, default=1000, help="pretraining steps")
     parser.add_argument(
         "--target-accuracy",
         type=float,
