@@ -140,7 +140,7 @@ def _warm_engine(engine, trainer, args) -> None:
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
-    from rl.rollout.jax_engine import FINE_LEN_BUCKETS, LEN_BUCKETS, length_bucket
+    from rl.rollout.jax_programs import FINE_LEN_BUCKETS, LEN_BUCKETS, length_bucket
 
     prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
     rows = args.prompts * args.group
