@@ -328,6 +328,11 @@ class JaxEngine:
                 Ss, self._floor = [longest], longest
         return self.programs.warm(self.max_batch, Ss, Ts, sizes, truncate)
 
+    def record_timeline(self) -> list:
+        """A new `timeline` list, which the scheduler appends its calls to from now on."""
+        self.timeline = []
+        return self.timeline
+
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
         """Ends live rows at a chunk boundary ('abort' partials), later calls at once; resume()."""
