@@ -181,6 +181,7 @@ class JaxEngine:
         self.config, self.devices, self.rows = p.config, p.devices, p.rows  # rows: [C, ...]
         self.decode_attention, self.sample_kernel = p.decode_attention, p.sample_kernel
         self.k_pos, self.ragged, self.fold_norms = p.k_pos, p.ragged, p.fold_norms
+        self.interpret = p.interpret  # the Pallas kernels interpreted (off a GPU)
         nd = len(self.devices)
         self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
         self._floor = LEN_BUCKETS[0]  # the shortest cache the scheduler allocates (see warm)
