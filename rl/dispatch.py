@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from rl.agent import run_groups
 from rl.buffer import GroupBuffer
@@ -25,6 +26,27 @@ from rl.coordinator import Coordinator
 from rl.metrics import BusyClock
 from rl.partials import PartialGroup
 from rl.rollout.base import SamplingParams, WorkerLost
+
+
+@runtime_checkable
+class RolloutSlots(Protocol):
+    """What a Dispatcher needs from a transport (LocalRollout, rl.ray.pool.WorkerPool): `slots`
+    dispatcher threads over `engines` independent engines, and per slot a run and a replacement
+    (tests/test_engine_contract.py checks both)."""
+
+    slots: int
+    engines: int
+
+    def run(self, slot: int, items: list, sampling: SamplingParams, stopped=lambda: False):
+        """The groups of items [(group, version, problem, seeds[, saved partial])] run on `slot`:
+        [EpisodeGroup | PartialGroup], or None once stopped(); raises WorkerLost if the slot's
+        worker is lost."""
+        ...
+
+    def replace(self, slot: int, why: str, on_started=None) -> None:
+        """Gives `slot` a replacement for a lost worker; on_started() once it is launched (the
+        lost groups go back to the coordinator then)."""
+        ...
 
 
 class LocalRollout:
@@ -57,7 +79,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        rollout,
+        rollout: RolloutSlots,
         coord: Coordinator,
         buffer: GroupBuffer,
         work: Callable[[list], list],

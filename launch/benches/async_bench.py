@@ -135,20 +135,20 @@ def _placement(args) -> list[str]:
 
 
 def _warm_engine(engine, trainer, args) -> None:
-    """Compiles the generation programs of every length bucket the task can produce (an
-    in-process JaxEngine: every program its fixed slots can run, by JaxEngine.warm)."""
+    """Compiles the generation programs of every length bucket the task can produce: what
+    engine.warm compiles ahead (a JAX sampler on fixed slots: every program they can run), then
+    a generate per cache length bucket."""
     import numpy as np
 
     from rl.rollout.base import GenerationRequest, SamplingParams
-    from rl.rollout.jax_engine import FINE_LEN_BUCKETS, LEN_BUCKETS, length_bucket
+    from rl.rollout.jax_programs import FINE_LEN_BUCKETS, LEN_BUCKETS, length_bucket
 
     prompt = np.asarray(trainer.tokenizer.encode(trainer.train_problem(0).prompt), np.int32)
     rows = args.prompts * args.group
-    if hasattr(engine, "warm"):  # an in-process JaxEngine on fixed slots: its programs at once
-        longest = max(
-            len(trainer.tokenizer.encode(trainer.train_problem(i).prompt)) for i in range(256)
-        )
-        print(f"sampler warmed: {engine.warm(longest, args.max_tokens)} programs", flush=True)
+    longest = max(
+        len(trainer.tokenizer.encode(trainer.train_problem(i).prompt)) for i in range(256)
+    )
+    print(f"sampler warmed: {engine.warm(longest, args.max_tokens)} programs", flush=True)
     # Every cache length of either engine kind (on a CPU the cache steps through finer ones).
     buckets = tuple(sorted(set(LEN_BUCKETS) | set(FINE_LEN_BUCKETS)))
     lo = length_bucket(args.min_tokens, buckets)
@@ -248,15 +248,15 @@ def run_once(
     cfg = C.load(None, over + [f"run_root={run_root}", name])
     trainer = Trainer(cfg)
     engines: list = []
+    timelines: list = []  # each engine's record_timeline() (--timeline)
     snaps: dict[int, dict] = {}
     rows: dict[int, dict] = {}
     saturated: list[float] = []
 
     def on_engine(engine) -> None:  # before the first evaluation: compile every length bucket
         engines.append(engine)
-        if args.timeline and hasattr(engine, "timeline"):
-            engine.timeline = []
-        elif args.timeline:
+        timelines.append(engine.record_timeline() if args.timeline else None)
+        if args.timeline and timelines[-1] is None:
             print("--timeline: the sampler runs in another process (needs --rollout-devices)")
         _warm_engine(engine, trainer, args)
         if args.pack and not trainer.remote:
@@ -284,8 +284,8 @@ def run_once(
     first, last = snaps[w0], snaps[w1]
     final = snaps[max(snaps)]  # the last update's counters: every weight update of the run
     timeline = None
-    if getattr(engines[0], "timeline", None) is not None:
-        kept = [e for e in engines[0].timeline if first["now"] <= e[1] < last["now"]]
+    if timelines[0] is not None:
+        kept = [e for e in timelines[0] if first["now"] <= e[1] < last["now"]]
         timeline = timeline_summary(kept, first["now"], last["now"])
         os.makedirs(args.timeline, exist_ok=True)
         path = os.path.join(args.timeline, f"{mode}-{partial}-{transport}-r{round_}.json")

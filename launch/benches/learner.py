@@ -211,16 +211,17 @@ def _compile(name: str, lower) -> dict:
 def _compile_times(learner, batch, args) -> dict:
     """Lowers and compiles, without running them, the learner's update step and the JAX
     sampler's decode chunk and prefill (--batch rows, a cache of --seq positions)."""
-    from rl.rollout import jax_engine as je
+    from rl.rollout.jax_engine import JaxEngine
+    from rl.rollout.jax_programs import LEN_BUCKETS, length_bucket
 
     out = {}
     add = lambda prefix, times: out.update({f"{prefix}_{k}": v for k, v in times.items()})
     add("learner", _compile("learner update", lambda: learner.lower_update(batch)))
-    engine = je.JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
+    engine = JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
     try:
-        C, S = engine.max_batch, je.length_bucket(args.seq, je.LEN_BUCKETS)
-        add("decode", _compile("sampler decode chunk", lambda: engine.lower_decode(C, S)))
-        add("prefill", _compile("sampler prefill", lambda: engine.lower_prefill(C, S)))
+        C, S = engine.max_batch, length_bucket(args.seq, LEN_BUCKETS)
+        add("decode", _compile("sampler decode chunk", lambda: engine.programs.lower_decode(C, S)))
+        add("prefill", _compile("sampler prefill", lambda: engine.programs.lower_prefill(C, S)))
     finally:
         engine.close()
     return out

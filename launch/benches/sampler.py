@@ -55,9 +55,10 @@ def bench_sampler(args) -> dict:
     """Times JaxEngine.generate on random prompts (temperature 1); prints and returns the
     figures: tokens/s end to end and for decoding alone, the decode step against its roofline."""
     from models import create_model, make_mesh
-    from rl.rollout import jax_engine as je
     from rl.rollout import sample_kernel
     from rl.rollout.base import GenerationRequest, SamplingParams
+    from rl.rollout.jax_engine import JaxEngine
+    from rl.rollout.jax_programs import LEN_BUCKETS, length_bucket
     from rl.rollout.sampling import process_logits, sample
 
     kind, _, bw = device_summary()
@@ -73,7 +74,7 @@ def bench_sampler(args) -> dict:
         f"decode attention: {args.decode_attention}, sample kernel: {args.sample_kernel}"
     )
     model = create_model(cfg, make_mesh(devices=jax.devices()[:1]), seed=0)
-    engine = je.JaxEngine(
+    engine = JaxEngine(
         model,
         max_batch=B,
         decode_attention=args.decode_attention,
@@ -126,7 +127,7 @@ def bench_sampler(args) -> dict:
     per = [(f - prefill) / n_steps * 1e3 for f in fulls]  # the spread a comparison must beat
     spread = f" (repeats {min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
     print(f"decode step: {step_s * 1e3:.3f} ms{spread}")
-    cache_len = je.length_bucket(P + N - 1, je.LEN_BUCKETS)  # the cache at the last step
+    cache_len = length_bucket(P + N - 1, LEN_BUCKETS)  # the cache at the last step
     nb = decode_bytes(cfg, B, P, N, cache_len)
     floor_s = (nb.params + nb.kv_needed) / bw if bw else None
     frac = floor_s / step_s if floor_s else None
@@ -283,7 +284,7 @@ def bench_workload(args) -> dict:
 
 
 def _decode_attention_choices() -> tuple[str, ...]:
-    from rl.rollout.jax_engine import DECODE_ATTENTION
+    from rl.rollout.jax_programs import DECODE_ATTENTION
 
     return DECODE_ATTENTION
 

@@ -453,6 +453,18 @@ class WorkerPool:
         )
         return out
 
+    def warm(self, prompt_len: int, max_new_tokens: int, *, truncate: bool = False) -> int:
+        """Has every worker's engine compile ahead: the programs compiled, summed (a
+        replacement warms only as engine_kwargs' `warm` says)."""
+        import ray
+
+        refs = [w.handle.warm.remote(prompt_len, max_new_tokens, truncate) for w in self.workers]
+        return sum(ray.get(refs, timeout=self.call_deadline_s))
+
+    def record_timeline(self) -> None:
+        """None: the schedulers run in the worker processes."""
+        return None
+
     def close(self) -> None:
         """Kills the workers; shuts Ray down if this object started it. Idempotent."""
         import ray

@@ -124,6 +124,10 @@ class RolloutActor:
         """The engine's generate on this worker (evaluation, warm-up)."""
         return self.engine.generate(requests)
 
+    def warm(self, prompt_len: int, max_new_tokens: int, truncate: bool) -> int:
+        """The engine's warm on this worker: the programs it compiled."""
+        return self.engine.warm(prompt_len, max_new_tokens, truncate=truncate)
+
     def update_weights(self, version: int, weights) -> float:
         """Installs `version` (flat numpy params, or a published HF directory for vLLM hosts);
         returns the seconds until the engine served it."""

@@ -12,6 +12,13 @@ the Ray worker pool), so the trainer never asks which kind it holds:
   stats() -> dict                        counters: busy_s, tokens, generate_calls, updates,
                                          install_s, pid (plus engine-specific numbers)
   close()                                releases processes, servers, threads; idempotent
+  warm(prompt_len, max_new_tokens) -> int
+                                         compiles ahead what such requests run: the programs
+                                         compiled (0 where nothing compiles ahead)
+  record_timeline() -> list | None       the list the scheduler records its calls in from now
+                                         on (diagnostics); None where it runs out of process
+
+tests/test_engine_contract.py runs every engine through the same cases.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -238,6 +245,7 @@ class WeightUpdate:
         self._call(on_served, on_error)
 
 
+@runtime_checkable
 class Engine(Protocol):
     """What the trainer needs from a rollout engine (see the module docstring)."""
 
@@ -265,4 +273,14 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Releases the engine's resources; idempotent."""
+        ...
+
+    def warm(self, prompt_len: int, max_new_tokens: int, *, truncate: bool = False) -> int:
+        """Compiles ahead what requests of at most these lengths run (top-k / top-p: truncate);
+        the programs compiled, 0 where nothing compiles ahead (vLLM compiles at launch)."""
+        ...
+
+    def record_timeline(self) -> list | None:
+        """Starts recording the scheduler's calls into the list returned (diagnostics: the
+        in-process JAX sampler's); None where the scheduler runs in another process."""
         ...

@@ -1,5 +1,9 @@
 """The built-in JAX sampler: continuous batching over a fixed set of decode slots.
 
+This module is the host scheduler; the compiled programs it runs (prefill, insert, relayout,
+decode chunk, the serving layout of the weights, warm compilation, the kernel choice) are
+rl.rollout.jax_programs'.
+
 Requests from any number of generate() calls wait in one queue; a scheduler thread owns the
 device state (a KV cache of `capacity` rows, one per slot) and loops: admit waiting requests
 into free slots (a batched prefill written into their rows), dispatch a jitted chunk of `chunk`
@@ -14,14 +18,12 @@ On a CPU a step costs per row and per cache position, so there the slots follow 
 a chunk ends early on the device (`early_exit`) once no row is live or, with requests waiting,
 once an eighth of the slots finished.
 
-Shapes are bucketed (slots, cache length, prefill batch and prompt length), so a run compiles a
-handful of programs; on fixed slots (`fixed_slots`, the default on accelerators) warm() compiles
-them all before serving. The cache grows and shrinks with the longest live row, so a decode step
-attends over the positions in use, not over prompt + budget (with the Pallas kernel, which reads
-only each row's valid positions, it only grows). Weights are served in the compute dtype. Each
-row samples with its own key (fold_in of the request seed and the token index), so a request's
-output does not depend on what it was batched with or when it was admitted. `timeline` records
-the scheduler's calls, for diagnostics.
+On fixed slots (`fixed_slots`, the default on accelerators) warm() compiles every program the
+scheduler can pick before serving. The cache grows and shrinks with the longest live row, so a
+decode step attends over the positions in use, not over prompt + budget (with the Pallas
+kernel, which reads only each row's valid positions, it only grows). A request's output does
+not depend on what it was batched with or when it was admitted (each row has its own key).
+`timeline` records the scheduler's calls, for diagnostics.
 
 Weight updates land between chunks: under `drain` admissions pause until the live rows finish;
 under `continue` live rows return 'abort' partials (tokens so far, with their version) and the
@@ -48,19 +50,13 @@ import os
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.decode_attention import supported
-from models.kv_cache import KVCache, init_cache
 from rl.metrics import BusyClock
-from rl.rollout import kernels, sample_kernel
 from rl.rollout.base import (
     UPDATE_MODES,
     Generation,
@@ -69,47 +65,19 @@ from rl.rollout.base import (
     Weights,
     WeightUpdate,
 )
-from rl.rollout.layout import params_of_layout, serving_layout
-from rl.rollout.sampling import key_data, process_logits, sample
+from rl.rollout.jax_programs import (
+    BATCH_BUCKETS,
+    FINE_LEN_BUCKETS,
+    LEN_BUCKETS,
+    PROMPT_BUCKETS,
+    STOP_BUCKETS,
+    Programs,
+    RowConstants,
+    Warm,
+    length_bucket,
+)
 
-
-@dataclasses.dataclass(frozen=True)
-class Warm:
-    """What JaxEngine(warm=..) compiles before serving: programs for requests of at most
-    prompt_len prompt tokens and max_new_tokens new ones (top-k / top-p: `truncate`)."""
-
-    prompt_len: int
-    max_new_tokens: int
-    truncate: bool = False
-
-
-def length_bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (past the last one: a multiple of it)."""
-    for b in buckets:
-        if n <= b:
-            return b
-    return -(-n // buckets[-1]) * buckets[-1]
-
-
-# XLA options of the decode program on a GPU: its GEMMs have one row per slot, where cuBLAS
-# beats XLA's Triton GEMMs, which split K there and add a reduction kernel each
-# (docs/benchmarks.md). The other programs keep XLA's defaults.
-GPU_DECODE_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-# Prompt and cache lengths: powers of two, then steps of 1.5x (a step attends over at most a
-# third more positions than it needs, for a handful more compiled programs).
-LEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-# The cache where slots follow demand (CPU): a step there costs per row and per position, so
-# lengths step by 1.25-1.5x (a long row's cache is at most a quarter more than it needs).
-FINE_LEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
-FINE_LEN_BUCKETS += (1280, 1536, 2048, 2560, 3072, 4096)
-PROMPT_BUCKETS = (8,) + LEN_BUCKETS  # prefill lengths
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-DECODE_ATTENTION = ("auto", "xla", "pallas")  # auto: the Pallas kernel on one GPU, else XLA
 EARLY_EXIT_FRACTION = 8  # a chunk ends early once 1/8 of the slots finished (rows waiting)
-
-
-STOP_BUCKETS = (4, 8, 16, 64)
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -153,49 +121,10 @@ class _Row:
         return max(len(self.tokens), 1) + chunk * (self.inflight + more)
 
 
-@dataclasses.dataclass
-class _Rows:
-    """Sampling constants of rows ([C, ...] numpy): built on the host for an admission; the
-    slots' own live on the device, in the engine state (written by the insert)."""
-
-    keys: np.ndarray  # uint32 [C, 2]
-    temp: np.ndarray  # float32 [C]
-    top_k: np.ndarray  # int32 [C]
-    top_p: np.ndarray  # float32 [C]
-    max_new: np.ndarray  # int32 [C]
-    stop: np.ndarray  # int32 [C, n_stop], -1 pads (a token id is never -1)
-
-    @classmethod
-    def empty(cls, C: int, n_stop: int) -> _Rows:
-        return cls(
-            np.zeros((C, 2), np.uint32),
-            np.ones(C, np.float32),
-            np.zeros(C, np.int32),
-            np.ones(C, np.float32),
-            np.ones(C, np.int32),
-            np.full((C, n_stop), -1, np.int32),
-        )
-
-    def set(self, slot: int, req: GenerationRequest, key: np.ndarray) -> None:
-        p = req.params
-        self.keys[slot] = key
-        self.temp[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
-        self.max_new[slot] = p.max_new_tokens
-        self.stop[slot] = -1
-        self.stop[slot, : len(p.stop_token_ids)] = p.stop_token_ids
-
-    def arrays(self) -> tuple:
-        return (self.keys, self.temp, self.top_k, self.top_p, self.max_new, self.stop)
-
-
 def _truncates(row: _Row) -> bool:
     """Whether the row samples from a truncated distribution (top-k or top-p on)."""
     p = row.req.params
     return p.top_k > 0 or p.top_p < 1.0
-
-
-def _seed(req: GenerationRequest) -> int:
-    return req.params.seed if req.params.seed is not None else zlib.crc32(req.request_id.encode())
 
 
 class JaxEngine:
@@ -225,69 +154,37 @@ class JaxEngine:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
         if chunk < 1 or max_batch < 1:
             raise ValueError(f"JaxEngine: chunk={chunk}, max_batch={max_batch}; both must be >= 1")
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(
-                f"JaxEngine: decode_attention {decode_attention!r}; valid: {DECODE_ATTENTION}"
-            )
+        if cache_len is not None and cache_len < 1:
+            raise ValueError(f"JaxEngine: cache_len={cache_len}; must be >= 1 (or None)")
         self.update_mode = update_mode
         self.background_install = background_install
         self.continuous = continuous
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.config = model.config
-        self.devices = list(devices) if devices else jax.local_devices()[:1]
-        if len(set(self.devices)) != len(self.devices):
-            raise ValueError(f"JaxEngine: devices {self.devices} repeat a device")
-        mesh = Mesh(np.asarray(self.devices, dtype=object), ("rows",), axis_types=(AxisType.Auto,))
-        self.replicated = NamedSharding(mesh, PartitionSpec())  # params
-        self.rows = NamedSharding(mesh, PartitionSpec("rows"))  # every [C, ...] array
-        # The params tree's shapes (what update_weights' trees match) in the compute dtype: every
-        # use casts a weight to it (the same numbers), so float32 master weights are served and
-        # copied at half the bytes. self.params holds them in their serving layout (_serve_impl).
-        compute = jnp.dtype(model.config.dtype)
-        self._template = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(
-                a.shape, compute if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
-            ),
-            params,
-        )
-        self._layer_def = None  # the graphdef of one decoder layer (set by _serve_impl)
-        self.traces = 0  # programs traced (compilations): prefill, insert, relayout, decode, serve
-        self.warm_traces = 0  # of those, traced by warm() before serving
         self.version = version
         self.chunk = chunk
-        nd = len(self.devices)
-        self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
-        accelerator = self.devices[0].platform != "cpu"
-        c = model.config
-        decode_attention, sample_kernel = kernels.choose(
-            decode_attention, sample_kernel, self.devices, c, compute
-        )
-        self.decode_attention = decode_attention
-        self.interpret = self.devices[0].platform != "gpu"  # the Pallas kernels off a GPU: tests
-        # The Pallas kernel reads keys with the head dim minor (a block of slots contiguous).
-        self.k_pos = 2 if decode_attention == "pallas" else 3
-        per_layer = (self.rows,) * model.config.num_hidden_layers  # the cache: [C, ...] per layer
-        self.cache_rows = KVCache(k=per_layer, v=per_layer, k_pos=self.k_pos)
-        # (cache, tok, pos, n, done, consts): consts are _Rows.arrays() of the slots
-        self.state_rows = (self.cache_rows,) + (self.rows,) * 4 + ((self.rows,) * 6,)
-        # Sampling as two Pallas kernels (rl.rollout.sample_kernel) where no row truncates.
-        self.sample_kernel = sample_kernel
-        # With the Pallas kernel a step reads each row's valid positions only, so a longer cache
-        # costs no step time: it only grows (no relayouts back and forth, no programs per length).
-        self.ragged = decode_attention == "pallas" and supported(
-            c.dtype, c.num_attention_heads, c.num_key_value_heads, c.head_dim, LEN_BUCKETS[0]
-        )
-        self._floor = LEN_BUCKETS[0]  # the shortest cache the scheduler allocates (see warm)
-        # The norms' weights folded into the q/k/v and gate/up kernels where the attention
-        # kernel finishes the input norm (two kernels fewer a layer); not for float16, whose
-        # range the unnormalized input's GEMM could exceed.
-        self.fold_norms = self.ragged and not c.qk_norm and jnp.dtype(c.dtype) != jnp.float16
-        self._serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
-        self.params = self._serve(self._own(self._cast(params)))
+        devices = list(devices) if devices else jax.local_devices()[:1]
+        accelerator = devices[0].platform != "cpu"
         self.overlap = accelerator if overlap is None else overlap
         # A chunk that ends when rows finish (a data-dependent loop; on an accelerator its
         # condition may wait on the host each step) is kept to the CPU by default.
         self.early_exit = (not accelerator) if early_exit is None else early_exit
+        # The compiled programs and the weights they serve (sampling as two Pallas kernels,
+        # rl.rollout.sample_kernel, where no row truncates and the device runs them).
+        self.programs = Programs(
+            model,
+            devices=devices,
+            chunk=chunk,
+            early_exit=self.early_exit,
+            decode_attention=decode_attention,
+            sample_kernel=sample_kernel,
+        )
+        p = self.programs
+        self.config, self.devices, self.rows = p.config, p.devices, p.rows  # rows: [C, ...]
+        self.decode_attention, self.sample_kernel = p.decode_attention, p.sample_kernel
+        self.k_pos, self.ragged, self.fold_norms = p.k_pos, p.ragged, p.fold_norms
+        self.interpret = p.interpret  # the Pallas kernels interpreted (off a GPU)
+        nd = len(self.devices)
+        self.max_batch = -(-max_batch // nd) * nd  # slots split evenly over the devices
+        self._floor = LEN_BUCKETS[0]  # the shortest cache the scheduler allocates (see warm)
         # On an accelerator a decode step costs about the same for any number of rows (it reads
         # the weights), so the slots stay at max_batch: one program per cache length. A CPU's
         # step costs per row, so there the slots follow demand (powers of two). Batch-invariant
@@ -298,8 +195,6 @@ class JaxEngine:
         # A prefill costs per row on a CPU, and on an accelerator too once its rows x prompt
         # tokens make it compute-bound (a few hundred tokens): admissions pad to powers of two.
         self.prefill_buckets = BATCH_BUCKETS
-        if cache_len is not None and cache_len < 1:
-            raise ValueError(f"JaxEngine: cache_len={cache_len}; must be >= 1 (or None)")
         self.cache_len = None if cache_len is None else length_bucket(cache_len, LEN_BUCKETS)
         self.deadline_s = deadline_s
         self._abort = threading.Event()  # set by abort(), cleared by resume()
@@ -321,27 +216,31 @@ class JaxEngine:
         # calls: ("chunk", .., live rows, waiting rows, cache length, slots) at a dispatch,
         # ("read", ..) at each read-back, ("admit", .., rows) at each prefill, ("install", ..).
         self.timeline: list | None = None
-        rows = self.rows
-        state = self.state_rows
-        self._prefill = jax.jit(
-            self._prefill_impl, static_argnums=(4,), out_shardings=(rows,) * 3 + (self.cache_rows,)
-        )
-        self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
-        self._relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
-        gpu = self.devices[0].platform == "gpu"
-        self._decode = jax.jit(
-            self._decode_impl,
-            static_argnums=(3,),
-            donate_argnums=(1,),
-            compiler_options=dict(GPU_DECODE_OPTIONS) if gpu else None,
-            out_shardings=(state,) + (rows,) * 3 + (self.replicated,),
-        )
         self.pid = os.getpid()
         self.sync_times: list[dict] = []  # per update_weights: copy_s, install_s, total_s
         self.clock = BusyClock()
         _ENGINES.add(self)
         if warm is not None:  # before serving, so that nothing compiles while it serves
             self.warm(warm.prompt_len, warm.max_new_tokens, truncate=warm.truncate)
+
+    @property
+    def params(self):
+        """The served weights, in their serving layout (Programs.params)."""
+        return self.programs.params
+
+    @property
+    def traces(self) -> int:
+        """Programs traced (compilations): prefill, insert, relayout, decode, serving layout."""
+        return self.programs.traces
+
+    @property
+    def warm_traces(self) -> int:
+        """Of the traces, those warm() traced before serving."""
+        return self.programs.warm_traces
+
+    def served_params(self):
+        """The served weights as the model's params tree (Programs.served_params)."""
+        return self.programs.served_params()
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, version: int, weights) -> WeightUpdate:
@@ -354,7 +253,7 @@ class JaxEngine:
         buffers then); otherwise update_weights returns when the engine serves the version.
         """
         t0 = time.perf_counter()
-        params = self._own(self._cast(Weights.of(weights).tree(self._template)))
+        params = self.programs.place(Weights.of(weights).tree(self.programs.template))
         handle = WeightUpdate(version)
         with self._cv:
             self._check_open()
@@ -383,26 +282,11 @@ class JaxEngine:
         except BaseException as e:  # noqa: BLE001 - the learner must hear of any failure
             handle.set_failed(e)
             return
-        self.params, self.version = self._serve(params), version
+        self.programs.params, self.version = self.programs.serve(params), version
         t2 = time.perf_counter()
         self.sync_times.append({"copy_s": t1 - t0, "install_s": t2 - t1, "total_s": t2 - t0})
         handle.set_served()
         self._note("install", t_start)
-
-    def _cast(self, tree):
-        """tree's arrays in the template's (serving) dtypes, cast where they are."""
-        return jax.tree.map(lambda t, a: a.astype(t.dtype), self._template, tree)
-
-    def _own(self, params):
-        """A private copy replicated on the engine's devices (the learner donates its buffers)."""
-
-        def own(x):
-            y = jax.device_put(x, self.replicated)
-            if isinstance(x, jax.Array) and set(x.devices()) & set(self.devices):
-                y = jnp.array(y, copy=True)  # device_put may alias a buffer already there
-            return y
-
-        return jax.tree.map(own, params)
 
     def stats(self) -> dict:
         """Busy time, calls, tokens, weight installs, compilations (and those before serving),
@@ -421,173 +305,6 @@ class JaxEngine:
             "pid": self.pid,
         }
 
-    # -- compiled programs ----------------------------------------------------------------
-    def _serve_impl(self, params):
-        """(head, layers): layout.serving_layout of the weights, once per version; records the
-        layers' graphdef (static)."""
-        self.traces += 1
-        model = nnx.merge(self.graphdef, params, self.rest)
-        head, layers, self._layer_def = serving_layout(model, self.fold_norms)
-        return head, layers
-
-    def served_params(self):
-        """The served weights as the model's params tree (the layers stacked back, the fused
-        kernels split): what update_weights took, for callers that compare weights (with
-        fold_norms, the q/k/v and gate/up kernels within two roundings of it)."""
-        return params_of_layout(
-            self.params, self._layer_def, self.config, self._template, self.fold_norms
-        )
-
-    def _model(self, params):
-        """(model, per-layer modules and fused kernels) of _serve_impl's weights."""
-        head, layers = params
-        model = nnx.merge(self.graphdef, head, self.rest)
-        return model, [(nnx.merge(self._layer_def, st), fused) for st, fused in layers]
-
-    def _prefill_impl(self, params, tokens_bT, lengths_b, consts_b, truncate):
-        """New rows' first tokens: (token, log-prob, done, cache [b, T]) of right-padded prompts.
-        truncate: whether any row has top-k or top-p on (static: without, sampling never sorts)."""
-        self.traces += 1
-        keys, temp, top_k, top_p, max_new, stop = consts_b
-        model, layers = self._model(params)
-        b, T = tokens_bT.shape
-        last, cache = model.prefill(
-            tokens_bT,
-            lengths_b,
-            self._new_cache(b, T),
-            last_only=True,
-            layers=layers,
-            folded=self.fold_norms,
-        )
-        keys0 = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
-        tok, lp = sample(process_logits(last, temp, top_k, top_p, truncate), keys0, temp)
-        done = jnp.any(tok[:, None] == stop, axis=-1) | (max_new <= 1)
-        return tok, lp, done, cache
-
-    def _insert_impl(self, state, idx_b, tok_b, lengths_b, done_b, cache_b: KVCache, consts_b):
-        """Writes new rows into slots idx_b (an index past the end drops a padding row)."""
-        self.traces += 1
-        cache, tok, pos, n, done, consts = state
-        T = cache_b.max_len
-
-        def put(c, x, axis):  # rows idx_b, positions [0, T)
-            where = (idx_b,) + tuple(slice(0, T) if d == axis else slice(None) for d in (1, 2, 3))
-            return c.at[where].set(x.astype(c.dtype), mode="drop")
-
-        cache = cache.map(put, cache_b)
-        at = lambda a, x: a.at[idx_b].set(x, mode="drop")
-        consts = tuple(at(a, x) for a, x in zip(consts, consts_b))
-        return cache, at(tok, tok_b), at(pos, lengths_b), at(n, 1), at(done, done_b), consts
-
-    def _relayout_impl(self, state, idx_C, S, n_stop):
-        """State rows idx_C (-1: an empty, finished row), the cache resized to S positions and
-        the stop tables widened to n_stop."""
-        self.traces += 1
-        cache, tok, pos, n, done, consts = state
-        ok = idx_C >= 0
-        rows = lambda a: jnp.take(a, jnp.maximum(idx_C, 0), axis=0)
-
-        def resize(c, axis):  # [C, ...] per layer, positions on `axis`
-            c = rows(c)
-            if S <= c.shape[axis]:
-                return jax.lax.slice_in_dim(c, 0, S, axis=axis)
-            pad = [(0, 0)] * c.ndim
-            pad[axis] = (0, S - c.shape[axis])
-            return jnp.pad(c, pad)
-
-        cache = cache.map(resize)
-        *consts, stop = (rows(a) for a in consts)
-        stop = jnp.pad(stop, ((0, 0), (0, n_stop - stop.shape[1])), constant_values=-1)
-        empty = _Rows.empty(1, n_stop).arrays()  # an empty row's constants
-        fill = lambda a, e: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, e)
-        consts = tuple(fill(a, e) for a, e in zip((*consts, stop), empty))
-        state = (cache, rows(tok), jnp.where(ok, rows(pos), 0), rows(n), rows(done) | ~ok)
-        return state + (consts,)
-
-    def _decode_impl(self, params, state, stop_after, truncate):
-        """Up to `chunk` decode steps of every slot: (state, tokens [C, chunk] (-1: none),
-        log-probs, done [C] as int8: a copy the host reads after the state was donated to the
-        next chunk, steps run). With early_exit the chunk ends once no row is live or
-        stop_after rows finished in it. truncate: as in _prefill_impl."""
-        self.traces += 1
-        cache, tok, pos, n, done, consts = state
-        keys, temp, top_k, top_p, max_new, stop = consts
-        model, layers = self._model(params)
-        C = tok.shape[0]
-
-        def one(i, c):
-            cache, tok, pos, n, done, toks, lps = c
-            logits, cache = model.decode(
-                tok,
-                pos,
-                cache,
-                layers,
-                self.decode_attention,
-                interpret=self.interpret,
-                folded=self.fold_norms,
-            )
-            keys_i = jax.vmap(jax.random.fold_in)(keys, n)  # token index n of the row
-            if self.sample_kernel and not truncate:
-                new, lp = sample_kernel.sample(logits, keys_i, temp, interpret=self.interpret)
-            else:
-                new, lp = sample(process_logits(logits, temp, top_k, top_p, truncate), keys_i, temp)
-            active = ~done
-            toks = toks.at[:, i].set(jnp.where(active, new, -1))
-            lps = lps.at[:, i].set(jnp.where(active, lp, 0.0))
-            n = n + active
-            hit_stop = jnp.any(new[:, None] == stop, axis=-1)
-            done = done | (active & (hit_stop | (n >= max_new)))
-            return cache, jnp.where(active, new, tok), pos + active, n, done, toks, lps
-
-        toks = jnp.full((C, self.chunk), -1, jnp.int32)
-        lps = jnp.zeros((C, self.chunk), jnp.float32)
-        done0 = done  # empty slots hold finished rows
-        carry = (cache, tok, pos, n, done0, toks, lps)
-        if self.early_exit:
-
-            def more(c):
-                i, (*_, done, _, _) = c
-                finished = jnp.sum(done & ~done0)
-                return (i < self.chunk) & ~jnp.all(done) & (finished < stop_after)
-
-            steps, carry = jax.lax.while_loop(more, lambda c: (c[0] + 1, one(*c)), (0, carry))
-        else:
-            steps, carry = self.chunk, jax.lax.fori_loop(0, self.chunk, one, carry)
-        cache, tok, pos, n, done, toks, lps = carry
-        state = (cache, tok, pos, n, done, consts)
-        return state, toks, lps, done.astype(jnp.int8), jnp.int32(steps)
-
-    def _new_cache(self, rows: int, slots: int) -> KVCache:
-        """An all-zero cache in this engine's key layout."""
-        return init_cache(self.config, rows, slots, k_pos=self.k_pos)
-
-    def _abstract(self, C: int, S: int):
-        """Shapes and shardings of the state for C slots and a cache of S slots."""
-        arg = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        kv = jax.eval_shape(lambda: self._new_cache(C, S))
-        cache = jax.tree.map(lambda a, sh: arg(a.shape, a.dtype, sh), kv, self.cache_rows)
-        i32 = arg((C,), jnp.int32, self.rows)
-        flag = arg((C,), jnp.bool_, self.rows)
-        empty = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
-        consts = tuple(arg(a.shape, a.dtype, self.rows) for a in empty)
-        return cache, i32, i32, i32, flag, consts
-
-    def lower_decode(
-        self, slots: int, cache_len: int, truncate: bool = False
-    ) -> jax.stages.Lowered:
-        """The decode chunk lowered for `slots` rows and cache_len cache positions, nothing
-        allocated or run (compile-time benchmarks, warm)."""
-        state = self._abstract(slots, cache_len)
-        return self._decode.lower(self.params, state, np.int32(1), truncate)  # as _dispatch
-
-    def lower_prefill(
-        self, rows: int, prompt_len: int, truncate: bool = False
-    ) -> jax.stages.Lowered:
-        """The prefill lowered for `rows` prompts of prompt_len tokens, nothing run (warm)."""
-        _, lengths, *_, consts = self._abstract(rows, prompt_len)
-        tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=self.rows)
-        return self._prefill.lower(self.params, tokens, lengths, consts, truncate)
-
     def warm(self, prompt_len: int, max_new_tokens: int, *, truncate: bool = False) -> int:
         """Compiles, before serving, what requests of at most prompt_len prompt tokens and
         max_new_tokens new ones use on fixed slots (an accelerator's, or batch-invariant): per
@@ -600,8 +317,6 @@ class JaxEngine:
         slots follow demand (a CPU's; too many shapes to warm, they compile as they come)."""
         if not self.fixed_slots:
             return 0
-        before, C = self.traces, self.max_batch
-        modes = (False, True) if truncate else (False,)
         top_T = length_bucket(prompt_len, PROMPT_BUCKETS)
         Ts = sorted({T for T in PROMPT_BUCKETS if T < top_T} | {top_T})
         longest = length_bucket(max(top_T, prompt_len + max_new_tokens - 1), self.cache_buckets)
@@ -612,23 +327,12 @@ class JaxEngine:
             sizes = {self._admission_rows(b) for b in self.prefill_buckets}
             if self.ragged:
                 Ss, self._floor = [longest], longest
-        i32 = jax.ShapeDtypeStruct((C,), jnp.int32, sharding=self.rows)
-        for S in Ss:
-            state = self._abstract(C, S)
-            for t in modes:
-                self.lower_decode(C, S, t).compile()
-            for other in Ss:
-                if other != S:
-                    old = self._abstract(C, other)
-                    self._relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
-            for T in (T for T in Ts if T <= S):  # a prefill grows the cache to its bucket
-                for b in sorted(sizes):
-                    for t in modes:  # (outputs of the same shapes either way)
-                        tok, _, done, cache = self.lower_prefill(b, T, t).compile().out_info
-                    _, lengths, *_, consts = self._abstract(b, T)
-                    self._insert.lower(state, lengths, tok, lengths, done, cache, consts).compile()
-        self.warm_traces += self.traces - before
-        return self.traces - before
+        return self.programs.warm(self.max_batch, Ss, Ts, sizes, truncate)
+
+    def record_timeline(self) -> list:
+        """A new `timeline` list, which the scheduler appends its calls to from now on."""
+        self.timeline = []
+        return self.timeline
 
     # -- generation -----------------------------------------------------------------------
     def abort(self) -> None:
@@ -801,19 +505,19 @@ class JaxEngine:
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         idx = np.full(b, len(self._slots), np.int32)  # past the end: a dropped padding row
-        new = _Rows.empty(b, self._n_stop())
+        new = RowConstants.empty(b, self._n_stop())
         for i, (r, s) in enumerate(zip(rows, free)):
             tokens[i, : r.prompt_len] = r.req.prompt_ids
             lengths[i], idx[i] = r.prompt_len, s
-            new.set(i, r.req, key_data(_seed(r.req)))
+            new.set(i, r.req)
             r.slot = s
             self._slots[s] = r
         tokens, lengths, idx, consts = jax.device_put(
             (tokens, lengths, idx, new.arrays()), self.rows
         )
         truncate = any(_truncates(r) for r in rows)
-        tok, lp, done, cache = self._prefill(self.params, tokens, lengths, consts, truncate)
-        self._state = self._insert(self._state, idx, tok, lengths, done, cache, consts)
+        tok, lp, done, cache = self.programs.prefill(self.params, tokens, lengths, consts, truncate)
+        self._state = self.programs.insert(self._state, idx, tok, lengths, done, cache, consts)
         self._records.append(("insert", rows, tok, lp, done, self.version))
         self._note("admit", t0, len(rows))
 
@@ -828,11 +532,11 @@ class JaxEngine:
         if self._state is None or not live:  # nothing to keep: a fresh state, no relayout
             self._flush()
             self._slots = [None] * C
-            cache = self._new_cache(C, self.cache_len or self._floor)
+            cache = self.programs.new_cache(C, self.cache_len or self._floor)
             zeros = np.zeros(C, np.int32)
-            consts = _Rows.empty(C, STOP_BUCKETS[0]).arrays()
+            consts = RowConstants.empty(C, STOP_BUCKETS[0]).arrays()
             state = (cache, zeros, zeros, zeros, np.ones(C, bool), consts)
-            self._state = jax.device_put(state, self.state_rows)
+            self._state = jax.device_put(state, self.programs.state_rows)
             return
         if C < len(self._slots):
             self._flush()  # records name slots by index
@@ -842,7 +546,7 @@ class JaxEngine:
             idx = np.concatenate([np.arange(len(self._slots)), np.full(C - len(self._slots), -1)])
             idx = idx.astype(np.int32)
         idx = jax.device_put(idx, self.rows)
-        self._state = self._relayout(self._state, idx, self._S(), self._n_stop())
+        self._state = self.programs.relayout(self._state, idx, self._S(), self._n_stop())
         slots: list[_Row | None] = [None] * C
         for s, old in enumerate(idx):
             if old >= 0 and self._slots[old] is not None:
@@ -863,7 +567,7 @@ class JaxEngine:
         if self.cache_len is not None:
             if self._S() != self.cache_len or width != self._n_stop():
                 idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-                self._state = self._relayout(self._state, idx, self.cache_len, width)
+                self._state = self.programs.relayout(self._state, idx, self.cache_len, width)
             return
         # A row's last position by the end of the next chunk: prompt_len + its tokens then - 1.
         need = max(
@@ -878,7 +582,7 @@ class JaxEngine:
             new = S
         if new != S or width != self._n_stop():
             idx = jax.device_put(np.arange(len(self._slots), dtype=np.int32), self.rows)
-            self._state = self._relayout(self._state, idx, new, width)
+            self._state = self.programs.relayout(self._state, idx, new, width)
 
     def _dispatch(self) -> None:
         """Runs one decode chunk over every slot (asynchronously; read back by _process)."""
@@ -895,12 +599,15 @@ class JaxEngine:
         # freed slot idles no longer than that); otherwise it runs until no row is live.
         stop_after = max(1, min(waiting, C // EARLY_EXIT_FRACTION)) if waiting else C + 1
         truncate = any(r is not None and _truncates(r) for r in self._slots)
-        self._state, toks, lps, done, steps = self._decode(
-            self.params, self._state, np.int32(stop_after), truncate
-        )
+        self._state, toks, lps, done, steps = self._decode(stop_after, truncate)
         self._records.append(("chunk", list(self._slots), toks, lps, done, steps, self.version))
         if self.timeline is not None:  # (the live count only when a timeline is kept)
             self._note("chunk", t0, sum(r is not None for r in self._slots), queued, self._S(), C)
+
+    def _decode(self, stop_after: int, truncate: bool):
+        """Dispatches the decode chunk over the slots (the call tests wrap to act between
+        chunks): (state, tokens, log-probs, done, steps), as Programs.decode."""
+        return self.programs.decode(self.params, self._state, np.int32(stop_after), truncate)
 
     def _process(self, record) -> None:
         """Reads back a dispatched insert or chunk: appends tokens, finishes done rows."""

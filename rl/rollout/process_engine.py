@@ -7,6 +7,7 @@ pickled numpy over a pipe:
 
   parent -> child   ("generate", id, [GenerationRequest])   -> (id, ok, [Generation], stats)
                     ("update", id, (version, path, {name: array})) -> (id, ok, secs, stats)
+                    ("warm", id, (prompt_len, max_new_tokens, truncate)) -> (id, ok, n, stats)
                     ("abort" | "resume" | "stats" | "close", id, None) -> (id, ok, None, stats)
 
 The child's main thread only receives; each generate runs in its own thread and weight updates
@@ -130,6 +131,14 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
                 order_cv.notify_all()
             send(mid, True, time.perf_counter() - t0, stats())
 
+    def warm(mid, prompt_len, max_new_tokens, truncate):
+        try:
+            n = engine.warm(prompt_len, max_new_tokens, truncate=truncate)
+        except BaseException:  # noqa: BLE001
+            send(mid, False, traceback.format_exc(), stats())
+            return
+        send(mid, True, n, stats())
+
     updater = threading.Thread(target=update_loop, name="weights", daemon=True)
     updater.start()
     while True:
@@ -144,6 +153,8 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
             with order_cv:
                 order["received"] += 1
             updates.put((mid, payload))
+        elif kind == "warm":  # in a thread of its own: this one answers pings meanwhile
+            threading.Thread(target=warm, args=(mid, *payload), daemon=True).start()
         elif kind == "abort":
             engine.abort()
             send(mid, True, None, stats())
@@ -554,6 +565,15 @@ class ProcessEngine:
                 pass  # died meanwhile: the last counters it sent
         out = {**self._stats, "sync_s": sum(t["total_s"] for t in self.sync_times)}
         return {**out, "restarts": self.restarts, "workers_lost": len(self.lost)}
+
+    def warm(self, prompt_len: int, max_new_tokens: int, *, truncate: bool = False) -> int:
+        """The child's JaxEngine.warm (a replacement child warms only as `warm=` says)."""
+        payload = (prompt_len, max_new_tokens, truncate)
+        return self._wait(self._send("warm", payload), "warm", self.deadline_s)
+
+    def record_timeline(self) -> None:
+        """None: the scheduler runs in the child process."""
+        return None
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the child (and a replacement starting): asks, then terminates, then kills;

@@ -480,6 +480,14 @@ class VLLMEngine:
             "pid": os.getpid(),
         }
 
+    def warm(self, prompt_len: int, max_new_tokens: int, *, truncate: bool = False) -> int:
+        """0: a vLLM server compiles (and captures its graphs) at launch."""
+        return 0
+
+    def record_timeline(self) -> None:
+        """None: the scheduler runs in the vLLM servers."""
+        return None
+
     def _wait_idle(self, states: Sequence[_HostState], timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
         with self._cond:
