@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ import traceback
 
 from rl import config as C
 from rl import distributed
+from rl.signals import on_stop_signals
 
 PREFIX = "tandem/lockstep"
 BEAT_S = 1.0  # how often process 0 refreshes its keep-alive key
@@ -502,21 +502,10 @@ def follow(cfg: C.RunConfig, run_dir: str) -> int:
     checkpoints with it and ends it; past trainer.preempt_deadline_s it exits 1."""
     deadline = cfg.trainer.preempt_deadline_s
 
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
+    def keep_following(name: str) -> None:
         print(f"{name}: host 0 checkpoints the run; following until it ends", file=sys.stderr)
 
-        def overdue():
-            print(f"error: {name}: not ended by host 0 within {deadline:g} s", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(1)
-
-        timer = threading.Timer(deadline, overdue)
-        timer.daemon = True
-        timer.start()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    on_stop_signals(keep_following, deadline, f"not ended by host 0 within {deadline:g} s")
     try:
         import jax
 
