@@ -30,8 +30,8 @@ from rl.evaluate import evaluate, evaluate_sampled
 from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.placement import pin_learner
-from rl.replay import ScheduleWriter
 from rl.rollout.base import WorkerLost
+from rl.schedule import ScheduleWriter
 from rl.sft import warm_start_run
 
 
