@@ -20,6 +20,7 @@ from rl import distributed
 from rl.algorithms import losses as L
 from rl.algorithms.advantages import compute_advantages
 from rl.checkpoint import Checkpointer
+from rl.engines import engine_spec
 from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule, train_batch
 from rl.placement import Placement
 from rl.rollout.base import SamplingParams
@@ -343,27 +344,6 @@ def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: st
     )
 
 
-def vllm_launch_options(cfg: C.RunConfig) -> dict:
-    """How the run launches a vLLM server (VLLMHost.launch keywords)."""
-    v = cfg.rollout.vllm
-    return {
-        "ready_timeout_s": v.ready_timeout_s,
-        "seed": cfg.seed,
-        "host": v.host,
-        "enforce_eager": v.enforce_eager,
-        "extra_args": list(v.extra_args),
-    }
-
-
-def vllm_engine_options(cfg: C.RunConfig) -> dict:
-    """How the run drives vLLM servers (VLLMEngine keywords)."""
-    return {
-        "update_mode": cfg.trainer.partial,
-        "request_timeout_s": cfg.rollout.vllm.request_timeout_s,
-        "deadline_s": cfg.trainer.deadline_s,
-    }
-
-
 def make_engine(
     cfg: C.RunConfig,
     learner: Learner,
@@ -374,7 +354,8 @@ def make_engine(
     cache_len: int | None = None,
     warm=None,
 ):
-    """The local transport's rollout engine, serving the learner's current weights.
+    """The local transport's rollout engine (rollout.engine, from the engine registry),
+    serving the learner's current weights.
 
     vLLM hosts (launched here, or rollout.vllm.urls) reload from the parameter server's
     directories; the JAX sampler runs where `place` says (a process of its own, beside the
@@ -382,55 +363,14 @@ def make_engine(
     before serving. With rollout.batch_invariant the JAX sampler computes every row at fixed
     shapes, its cache `cache_len` positions (row_length).
     """
-    t = cfg.trainer
-    common = dict(
-        version=learner.version,
-        max_batch=cfg.rollout.batch_size,
-        deadline_s=t.deadline_s,
-        update_mode=t.partial,
-    )
-    if cfg.rollout.batch_invariant:
-        common["cache_len"] = cache_len
-    if cfg.rollout.engine == "vllm":
-        from rl.rollout.vllm import VLLMEngine, launch_engine
-
-        v = cfg.rollout.vllm
-        version = learner.version
-        path, _ = param_server.write(version, learner.params())
-        if v.urls:  # servers of the user's: reloaded to this run's weights at once
-            engine = VLLMEngine(v.urls, version=version, **vllm_engine_options(cfg))
-            engine.update_weights(version, path).wait()
-        else:
-            logs = [os.path.join(run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)]
-            engine = launch_engine(
-                path,
-                logs,
-                version=version,
-                launch=vllm_launch_options(cfg),
-                engine=vllm_engine_options(cfg),
-            )
-        param_server.served("engine", version)
-        return engine
-    common["warm"] = warm
-    if place.kind == "process":
-        from rl.rollout.process_engine import ProcessEngine
-
-        cores = place.cores.rollout if place.cores else ()
-        return ProcessEngine(
-            learner.model,
-            cores=cores,
-            max_restarts=t.max_rollout_restarts,
-            hang_s=t.rollout_hang_s,
-            **common,
-        )
-    from rl.rollout.jax_engine import JaxEngine
-
-    split = place.split
-    return JaxEngine(
-        learner.model,
-        devices=split.rollout if split else None,
-        background_install=split is not None,
-        **common,
+    return engine_spec(cfg.rollout.engine).local(
+        cfg,
+        learner,
+        place,
+        param_server=param_server,
+        run_dir=run_dir,
+        cache_len=cache_len,
+        warm=warm,
     )
 
 
