@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
@@ -29,6 +28,7 @@ from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate, evaluate_sampled
 from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
+from rl.partials import SavedPartials
 from rl.placement import pin_learner
 from rl.rollout.base import WorkerLost
 from rl.schedule import ScheduleWriter
@@ -52,9 +52,7 @@ class Trainer:
         self.owns_ray = self._closed = False
         self.stop_reason: str | None = None  # request_stop(): checkpoint and return
         self._stop_t = 0.0  # when request_stop() was called (time.monotonic)
-        # a preemption checkpoint's partial groups, each handed out once to be continued
-        self._resume_partials: dict = {}
-        self._partials_lock = threading.Lock()
+        self.saved_partials = SavedPartials()  # a preemption checkpoint's, continued at resume
         self._buffer: GroupBuffer | None = None
         self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
         self.place = place or placement.prepare(cfg)  # backend-dependent settings fail first
@@ -107,7 +105,8 @@ class Trainer:
         restored = build.restore_learner(self.learner, self.ckpt, partials=True)
         if restored is None:
             return None
-        meta, groups, self._resume_partials = restored
+        meta, groups, parts = restored
+        self.saved_partials = SavedPartials(parts)
         return meta, groups
 
     def _start_remote(self, resume: bool):
@@ -193,8 +192,7 @@ class Trainer:
         group with a saved partial (a preemption's) gets it as a fifth item, to continue."""
         out = []
         for g, v in admitted:
-            with self._partials_lock:
-                part = self._resume_partials.pop(g, None)
+            part = self.saved_partials.take(g)
             item = (g, v, self.train_problem(g), self.episode_seeds(g))
             out.append(item if part is None else (*item, part))
         return out
@@ -360,8 +358,7 @@ class Trainer:
             left = self.cfg.trainer.preempt_deadline_s / 2 - (time.monotonic() - self._stop_t)
             returned = self._dispatcher.join(timeout=max(0.0, left))
             partials = self._dispatcher.partials()
-        with self._partials_lock:  # saved partials not dispatched again yet stay saved
-            partials = {**self._resume_partials, **partials}
+        partials = {**self.saved_partials.left(), **partials}  # not dispatched again: kept
         self.save(self.learner.version, coord, buffer, partials)
         self.wait_saved()
         self._account(buffer, partials, returned)
@@ -444,8 +441,8 @@ class Trainer:
             stale_policy=t.stale_policy,
             filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
         )
-        if self._resume_partials:  # a preemption's partial groups are continued first
-            coord.prioritize(self._resume_partials)
+        if self.saved_partials:  # a preemption's partial groups are continued first
+            coord.prioritize(self.saved_partials.left())
         buffer.on_skip = self.schedule.skip
         self._coord, self._buffer = coord, buffer
         if self.stop_reason is not None:  # asked to stop while the run was being built
