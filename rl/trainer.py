@@ -12,7 +12,6 @@ driven through rl/lockstep.py (this process is its host 0).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -20,17 +19,16 @@ import traceback
 
 import jax
 
-from rl import build, placement
+from rl import build, metrics, placement
 from rl import config as C
 from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
 from rl.dispatch import Dispatcher, LocalRollout
-from rl.evaluate import evaluate, evaluate_sampled
+from rl.evaluate import evaluate_held_out
 from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.partials import SavedPartials
 from rl.placement import pin_learner
-from rl.rollout.base import WorkerLost
 from rl.schedule import ScheduleWriter
 from rl.sft import warm_start_run
 
@@ -240,29 +238,13 @@ class Trainer:
         return rollout, engine, evaluator
 
     def evaluate(self, engine, sampled: bool = False) -> dict:
-        """Greedy (by default) decoding of the held-out split: accuracy and reward; with
-        `sampled` and task.eval_samples k, also pass@1, pass@k and maj@k of k samples. An
-        evaluation whose rollout process was lost runs again on the replacement (each loss
-        uses one of the engine's limited replacements)."""
-        params = build.sampling(self.cfg, greedy=True)
+        """Greedy decoding of the held-out split: accuracy and reward; with `sampled` and
+        task.eval_samples k, also pass@1, pass@k and maj@k of k samples."""
         k = self.cfg.task.eval_samples if sampled else 0
-        while True:
-            try:
-                out = evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
-                if k:
-                    out.update(
-                        evaluate_sampled(
-                            engine,
-                            self.task,
-                            self.tokenizer,
-                            self.eval_problems,
-                            build.sampling(self.cfg),
-                            k,
-                        )
-                    )
-                return out
-            except WorkerLost:
-                continue
+        greedy, params = build.sampling(self.cfg, greedy=True), build.sampling(self.cfg)
+        return evaluate_held_out(
+            engine, self.task, self.tokenizer, self.eval_problems, greedy, params, k
+        )
 
     def publish(self, engine, version: int, coord: Coordinator, buffer: GroupBuffer) -> float:
         """Starts moving `engine` to the learner's weights at `version`; returns seconds. Once
@@ -316,23 +298,9 @@ class Trainer:
         self.publish(engine, c, coord, buffer)
         self.writer.rewind(c)
         self.schedule.rewind(c)
-        self._set_aside_dumps(c)
+        metrics.set_aside_dumps(self.episodes_dir, c, self.learner.restarts)
         print(f"learner restarted from checkpoint version {c}: {why}", file=sys.stderr)
         return c
-
-    def _set_aside_dumps(self, c: int) -> None:
-        """The episode dumps of updates after version c (lost with a learner) move to
-        episodes/lost/, named by the restart, so the repeated updates' dumps do not overwrite
-        them: a group trained by a lost update and again later stays visible."""
-        lost_dir = os.path.join(self.episodes_dir, "lost")
-        n = self.learner.restarts  # only a Ray learner restarts
-        for name in sorted(os.listdir(self.episodes_dir)):
-            if name.startswith("v") and name.endswith(".jsonl") and int(name[1:-6]) > c:
-                os.makedirs(lost_dir, exist_ok=True)
-                os.replace(
-                    os.path.join(self.episodes_dir, name),
-                    os.path.join(lost_dir, f"restart{n}-{name}"),
-                )
 
     # -- the loop -------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -352,47 +320,19 @@ class Trainer:
         and continued at resume). The rollout gets half of trainer.preempt_deadline_s to
         return; groups it has not returned by then are dispatched again from their prompts."""
         coord.stop()
-        partials, returned = {}, True
+        partials, ok = {}, True  # ok: the rollout returned its groups in time
         if self._dispatcher is not None:
             self._engine.abort()
             left = self.cfg.trainer.preempt_deadline_s / 2 - (time.monotonic() - self._stop_t)
-            returned = self._dispatcher.join(timeout=max(0.0, left))
+            ok = self._dispatcher.join(timeout=max(0.0, left))
             partials = self._dispatcher.partials()
         partials = {**self.saved_partials.left(), **partials}  # not dispatched again: kept
         self.save(self.learner.version, coord, buffer, partials)
         self.wait_saved()
-        self._account(buffer, partials, returned)
+        v, why = self.learner.version, self.stop_reason
+        metrics.log_preemption(self.run_dir, buffer, partials, version=v, reason=why, returned=ok)
         summary.update(preempted=self.stop_reason, version=self.learner.version)
         return summary
-
-    def _account(self, buffer: GroupBuffer, partials: dict, returned: bool) -> None:
-        """Appends where every dispatched group is to RUN_DIR/preemptions.jsonl (trained,
-        filtered, dropped, lost, buffered, in flight with a saved partial, in flight to start
-        again) and says it; groups a rollout did not return in time start again from their
-        prompts, and the tokens they had generated are lost: their number is said."""
-        acc = buffer.accounting(partials)
-        acc.update(
-            version=self.learner.version,
-            reason=self.stop_reason,
-            rollout_returned=returned,
-            partial_tokens=sum(p.num_generated for p in partials.values()),
-        )
-        with open(os.path.join(self.run_dir, "preemptions.jsonl"), "a") as f:
-            f.write(json.dumps(acc) + "\n")
-        print(
-            f"preemption: of {acc['dispatched']} groups dispatched, {acc['trained']} trained, "
-            f"{acc['filtered']} filtered, {acc['dropped']} dropped, {acc['lost']} lost, "
-            f"{len(acc['buffered'])} finished and kept, {len(acc['partial'])} in flight kept "
-            f"({acc['partial_tokens']} tokens), {len(acc['restart'])} to start again",
-            file=sys.stderr,
-        )
-        if not returned:
-            print(
-                f"preemption: the rollout did not return its groups in time; "
-                f"{len(acc['restart'])} groups (numbers {acc['restart'][:16]}) start again from "
-                f"their prompts at resume, and the tokens generated for them are lost",
-                file=sys.stderr,
-            )
 
     def run(self, on_engine=None, on_update=None) -> dict:
         """Trains; returns the last logged metrics (with eval/accuracy before and after).
