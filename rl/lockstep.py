@@ -165,7 +165,7 @@ def lead(cfg: C.RunConfig, vocab_size: int, run_dir: str):
     building theirs from the same config at the same time."""
     import jax
 
-    from rl import build
+    from rl.learner_setup import make_learner
 
     if _channel is None:
         raise C.ConfigError(
@@ -173,7 +173,7 @@ def lead(cfg: C.RunConfig, vocab_size: int, run_dir: str):
             "joined first: start it with `python -m launch.train` on every host (rl.lockstep.join)"
         )
     _channel.call("start", cfg, vocab_size, os.path.abspath(run_dir))
-    _, learner, ckpt = build.make_learner(cfg, vocab_size, jax.devices(), run_dir)
+    _, learner, ckpt = make_learner(cfg, vocab_size, jax.devices(), run_dir)
     leader = Leader(learner, _channel)
     return leader, LeaderCheckpointer(ckpt, leader)
 
@@ -246,15 +246,15 @@ class Leader:
         self.lockstep("set_step_cfg", lambda: self.learner.set_step_cfg(step_cfg), step_cfg)
 
     def reset_optimizer(self, tx) -> None:
-        """A fresh optimizer on every host: one of the run's own (rl/build.py names them; an
-        optax transformation holds closures, which do not pickle)."""
-        from rl import build
+        """A fresh optimizer on every host: one of the run's own (rl/learner_setup.py names them;
+        an optax transformation holds closures, which do not pickle)."""
+        from rl.learner_setup import optimizer_name
 
-        name = build.optimizer_name(tx)
+        name = optimizer_name(tx)
         if name is None:
             raise ValueError(
                 "reset_optimizer: a learner over several hosts without Ray takes only the run's "
-                "own optimizers (rl.build.rl_optimizer / sft_optimizer), not another optax "
+                "own optimizers (rl.learner_setup.rl_optimizer / sft_optimizer), not another optax "
                 "transformation"
             )
         self._changes += 1
@@ -384,7 +384,7 @@ class Follower:
         """Follows until process 0 ends the run: 0, or 1 when it ended with an error."""
         import jax
 
-        from rl import build
+        from rl.learner_setup import make_learner
 
         method, args = self.next_call()
         if method == "end":
@@ -393,8 +393,7 @@ class Follower:
             raise RuntimeError(f"learner call {method!r} before 'start' (a host of another run?)")
         cfg, vocab_size, run_dir = args
         self._check_same(cfg, run_dir)
-        built = build.make_learner(self.cfg, vocab_size, jax.devices(), run_dir)
-        _, self.learner, self.ckpt = built
+        _, self.learner, self.ckpt = make_learner(self.cfg, vocab_size, jax.devices(), run_dir)
         here = jax.process_index()
         mine = [d for d in self.learner.mesh.devices.flat if d.process_index == here]
         print(
@@ -450,9 +449,9 @@ class Follower:
         self.learner.set_step_cfg(step_cfg)
 
     def _reset_optimizer(self, name: str) -> None:
-        from rl import build
+        from rl.learner_setup import named_optimizer
 
-        self.learner.reset_optimizer(build.named_optimizer(self.cfg, name))
+        self.learner.reset_optimizer(named_optimizer(self.cfg, name))
 
     def _gather(self, what: str) -> None:
         from flax import nnx

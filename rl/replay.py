@@ -86,6 +86,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
     from rl import build
     from rl.agent import run_episodes
     from rl.evaluate import evaluate
+    from rl.learner_setup import make_learner
     from rl.metrics import update_row
     from rl.rollout.base import Weights
     from rl.rollout.jax_engine import JaxEngine
@@ -121,7 +122,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
     tokenizer = task.tokenizer
     eval_problems = task.problems("eval", cfg.task.num_eval)
     work_dir = work_dir or tempfile.mkdtemp(prefix="replay-")
-    _, learner, ckpt = build.make_learner(cfg, tokenizer.vocab_size, jax.devices(), work_dir)
+    _, learner, ckpt = make_learner(cfg, tokenizer.vocab_size, jax.devices(), work_dir)
     ckpt.close()
     summary: dict = {}
     if cfg.sft.steps > 0:

@@ -26,6 +26,7 @@ from rl.coordinator import Coordinator
 from rl.dispatch import Dispatcher, LocalRollout
 from rl.evaluate import evaluate_held_out
 from rl.learner import LearnerLost
+from rl.learner_setup import make_learner
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
 from rl.partials import SavedPartials
 from rl.placement import pin_learner
@@ -95,7 +96,7 @@ class Trainer:
         else:
             split = self.place.split
             pool = split.learner if split else jax.devices()
-            _, self.learner, self.ckpt = build.make_learner(
+            _, self.learner, self.ckpt = make_learner(
                 self.cfg, self.tokenizer.vocab_size, pool, self.run_dir
             )
         if not resume:

@@ -14,8 +14,8 @@ import yaml
 from launch import export as E
 from models import sharding as msh
 from rl import config as C
-from rl.build import model_config
 from rl.checkpoint import restore_params
+from rl.learner_setup import model_config
 from rl.trainer import Trainer, train
 
 pytestmark = pytest.mark.slow  # each test needs a trained run (module fixture)

@@ -90,7 +90,7 @@ class LearnerActor:
         )
         import jax
 
-        from rl.build import make_learner
+        from rl.learner_setup import make_learner
 
         self.mesh, self.learner, self.ckpt = make_learner(
             cfg, self.vocab_size, jax.devices(), self.run_dir
