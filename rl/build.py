@@ -1,23 +1,27 @@
-"""From a RunConfig to the run's objects: tokenizer, task, engines, param server.
+"""From a RunConfig to the run's objects: tokenizer, task, learner, rollout, param server.
 
-What every learner host builds (model, optimizer, compiled step, Learner) is in
-rl/learner_setup.py.
+The kind of learner and of rollout is chosen here, once: start_learner gives the learner
+contract (rl.learner.LearnerHandle) over a learner in this process, the leader of learner hosts
+in lockstep, or the Ray learner actors; make_rollout gives the engine contract over this
+process's engine (rollout.engine, from rl/engines.py) or the Ray worker pool. What every
+learner host builds (model, optimizer, compiled step) is in rl/learner_setup.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
+from typing import Any
 
 import numpy as np
 
 from rl import config as C
 from rl.algorithms.advantages import compute_advantages
-from rl.checkpoint import Checkpointer
 from rl.engines import engine_spec
-from rl.learner import Learner, bucket, train_batch
-from rl.learner_setup import rl_step_cfg
-from rl.placement import Placement
+from rl.learner import Learner, LearnerHandle, bucket, train_batch
+from rl.learner_setup import make_learner, rl_step_cfg
+from rl.placement import Placement, pin_learner
 from rl.rollout.base import SamplingParams
 
 
@@ -156,17 +160,6 @@ def make_task(cfg: C.RunConfig, tokenizer):
     return task
 
 
-def restore_learner(learner: Learner, ckpt: Checkpointer, *, partials: bool = False):
-    """Loads the newest checkpoint into `learner`: (meta, groups), or None if there is none;
-    with partials=True (meta, groups, partial groups)."""
-    if ckpt.latest_step() is None:
-        return None
-    state, meta, groups, parts = ckpt.restore(learner.state, partials=True)
-    learner.state = state
-    learner.version = meta["version"]
-    return (meta, groups, parts) if partials else (meta, groups)
-
-
 def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: str, tokenizer):
     """The parameter server writing each version's HF directory under run_dir/weights."""
     from rl.param_server import ParamServer
@@ -229,3 +222,99 @@ def make_eval_engine(cfg: C.RunConfig, learner: Learner, warm=None):
         deadline_s=cfg.trainer.deadline_s,
         warm=warm,
     )
+
+
+def start_learner(
+    cfg: C.RunConfig, vocab_size: int, run_dir: str, place: Placement
+) -> LearnerHandle:
+    """The run's learner (LearnerHandle): Ray learner actors (trainer.transport ray; this process
+    holds no model), this process leading the other hosts of a lockstep learner (learner.hosts
+    > 1, rl/lockstep.py), or a Learner on this host's devices (or trainer.learner_devices)."""
+    if cfg.trainer.transport == "ray":
+        from rl.ray.learner import remote_learner
+
+        return remote_learner(cfg, run_dir, vocab_size, place.cores.learner if place.cores else ())
+    if cfg.learner.hosts > 1:
+        from rl import lockstep
+
+        return lockstep.lead(cfg, vocab_size, run_dir)
+    import jax
+
+    devices = place.split.learner if place.split else jax.devices()
+    return make_learner(cfg, vocab_size, devices, run_dir)[1]
+
+
+@dataclasses.dataclass
+class Rollout:
+    """What generates the run's episodes (make_rollout)."""
+
+    slots: Any  # the dispatch slots groups run on (rl.dispatch.LocalRollout, or the worker pool)
+    engine: Any  # the engine contract the learner's weights are published to
+    evaluator: Any  # the engine held-out evaluation runs on
+    param_server: Any = None  # writes the HF directories the engine reloads (hf_weights)
+
+    def publish(self, version: int, weights, served, failed) -> None:
+        """Starts moving the engine to `weights` at `version` (first published as an HF
+        directory when it reloads those); served(version) once it serves them, failed(error)
+        if it does not."""
+        if self.param_server is not None:
+            weights.publish_with(self.param_server, version)
+
+        def done(v: int) -> None:
+            served(v)
+            if self.param_server is not None:  # retention keeps the directory it serves
+                self.param_server.served("engine", v)
+
+        self.engine.update_weights(version, weights).then(done, failed)
+
+
+def make_rollout(
+    cfg: C.RunConfig, learner, place: Placement, task, tokenizer, tok_dir: str, run_dir: str,
+    eval_problems,
+) -> Rollout:  # fmt: skip
+    """The run's rollout on the learner's current weights: the Ray worker pool (trainer.transport
+    ray), or rollout.engine in this process (dispatch streams over one engine; beside vLLM
+    hosts, an in-process JAX sampler evaluates). A JAX sampler compiles what rollout.warm asks
+    before serving. This process (the learner's) moves to its trainer.pin_cores share after the
+    warm start, before a rollout process starts."""
+    warm = None  # what the JAX sampler compiles before serving (rollout.warm)
+    if cfg.rollout.warm:
+        warm = warm_spec(cfg, task, tokenizer, eval_problems)
+    if cfg.trainer.transport == "ray":
+        from rl.ray.pool import worker_pool
+
+        pool = worker_pool(
+            cfg,
+            learner.weights(),
+            learner.config,
+            version=learner.version,
+            run_dir=run_dir,
+            tokenizer_dir=tok_dir,
+            tokenizer=tokenizer,
+            cores=place.cores.rollout if place.cores else (),
+            warm=warm,
+        )
+        return Rollout(pool, pool, pool)
+    from rl.dispatch import LocalRollout
+
+    if place.cores and cfg.sft.steps > 0:
+        pin_learner(place.cores.learner)  # with no warm start, placement.prepare pinned it
+    param_server = None
+    if engine_spec(cfg.rollout.engine).hf_weights:
+        param_server = make_param_server(cfg, learner.config, run_dir, tok_dir, tokenizer)
+    engine = make_engine(
+        cfg,
+        learner,
+        place,
+        param_server=param_server,
+        run_dir=run_dir,
+        cache_len=row_length(cfg, task, tokenizer, eval_problems),
+        warm=warm,
+    )
+    evaluator = engine
+    if param_server is not None:  # greedy: no top-k / top-p programs
+        evaluator = make_eval_engine(
+            cfg, learner, warm and dataclasses.replace(warm, truncate=False)
+        )
+    slots = LocalRollout(engine, task, tokenizer, streams(cfg))
+    return Rollout(slots, engine, evaluator, param_server)

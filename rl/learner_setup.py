@@ -1,9 +1,9 @@
 """What every learner host builds from a RunConfig: model, optimizer, compiled step, and the
 Learner with its Checkpointer on this host's devices.
 
-The run's own learner (rl/trainer.py, rl/lockstep.py's host 0 and followers), each Ray learner
-actor (rl/ray/learner.py), export and the benchmarks build through here, so one config means
-one model and one optimizer everywhere.
+The run's own learner (rl/build.py start_learner), each lockstep follower (rl/lockstep.py), each
+Ray learner actor (rl/ray/learner.py), export and the benchmarks build through here, so one
+config means one model and one optimizer everywhere.
 """
 
 from __future__ import annotations
@@ -177,5 +177,5 @@ def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
         keep=cfg.trainer.keep_checkpoints,
         async_save=cfg.trainer.async_checkpoint,
     )
-    learner = Learner(model, rl_optimizer(cfg), mesh=mesh, step_cfg=rl_step_cfg(cfg))
+    learner = Learner(model, rl_optimizer(cfg), mesh=mesh, step_cfg=rl_step_cfg(cfg), ckpt=ckpt)
     return mesh, learner, ckpt
