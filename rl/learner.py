@@ -1,5 +1,6 @@
 """The learner: an nnx model + optax optimizer, a jit-sharded train step with donation,
-micro-batch gradient accumulation, and sequence packing."""
+micro-batch gradient accumulation, and sequence packing; and THE learner contract
+(LearnerHandle) that it, the lockstep leader and the Ray learner client keep."""
 
 from __future__ import annotations
 
