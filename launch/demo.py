@@ -144,8 +144,8 @@ def make_checkpoint(
 
     from models.hf import save_hf_tensors, to_hf_tensors
     from models.tokenizer import build_bpe_tokenizer, load_tokenizer
-    from rl import build
     from rl import config as C
+    from rl.learner_setup import make_learner, rl_step_cfg, sft_optimizer
     from rl.sft import accuracy_probe, warm_start
     from rl.tasks import ChatTask, DatasetTask
 
@@ -178,9 +178,7 @@ def make_checkpoint(
         reward_workers=0,
     )
     chat = ChatTask(task, tokenizer, chat=True)
-    _, learner, ckpt = build.make_learner(
-        cfg, tokenizer.vocab_size, jax.devices(), out_dir + ".work"
-    )
+    _, learner, ckpt = make_learner(cfg, tokenizer.vocab_size, jax.devices(), out_dir + ".work")
     ckpt.close()
     probe, close = (
         accuracy_probe(cfg, learner, chat, tokenizer) if target_accuracy else (None, None)
@@ -191,8 +189,8 @@ def make_checkpoint(
             chat,
             tokenizer,
             cfg.sft,
-            rl_step=build.rl_step_cfg(cfg),
-            sft_tx=build.sft_optimizer(cfg),
+            rl_step=rl_step_cfg(cfg),
+            sft_tx=sft_optimizer(cfg),
             probe=probe,
         )
     finally:

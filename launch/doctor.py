@@ -73,7 +73,7 @@ def model_config(cfg):
 
         with open(os.path.join(cfg.model.path, "config.json")) as f:
             return ModelConfig.from_hf(json.load(f), dtype=cfg.model.dtype)
-    from rl.build import model_config
+    from rl.learner_setup import model_config
 
     return model_config(cfg, vocab_size=0)
 

@@ -49,7 +49,7 @@ def _run_config(config_path: str | None, checkpoint_dir: str):
 def model_config_of(cfg, vocab_size: int):
     """The ModelConfig the trainer builds for a run config (vocab_size: the tokenizer's)."""
     from models.config import ModelConfig
-    from rl.build import model_config
+    from rl.learner_setup import model_config
 
     if cfg.model.init == "hf":
         with open(os.path.join(cfg.model.path, "config.json")) as f:
@@ -59,7 +59,7 @@ def model_config_of(cfg, vocab_size: int):
 
 def rl_optimizer(cfg):
     """The RL-stage optimizer of a run config (the trainer's own)."""
-    from rl.build import rl_optimizer as trainer_rl_optimizer
+    from rl.learner_setup import rl_optimizer as trainer_rl_optimizer
 
     return trainer_rl_optimizer(cfg)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 import traceback
@@ -128,24 +127,15 @@ def replay_main(run_dir: str) -> int:
 def on_preemption(trainer, deadline_s: float) -> None:
     """SIGTERM / SIGINT (how preemptions and time limits arrive) stop the run at its next safe
     point with a checkpoint; past deadline_s the process exits 1. A second signal stops at once."""
+    from rl.signals import on_stop_signals
 
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
+    def stop(name: str) -> None:
         if trainer.stop_reason is not None:
             raise KeyboardInterrupt
         print(f"{name}: checkpointing, then exiting (at most {deadline_s:g} s)", file=sys.stderr)
         threading.Thread(target=trainer.request_stop, args=(name,), daemon=True).start()
 
-        def overdue():
-            print(f"error: {name}: not checkpointed within {deadline_s:g} s", file=sys.stderr)
-            os._exit(1)
-
-        timer = threading.Timer(deadline_s, overdue)
-        timer.daemon = True
-        timer.start()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    on_stop_signals(stop, deadline_s, f"not checkpointed within {deadline_s:g} s")
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ def read_hf_tensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsyncs a file or directory by path (a directory's entries survive a crash once synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -444,7 +445,7 @@ def save_hf_tensors(
     written += ["config.json", "generation_config.json"]
     if tokenizer_dir is not None:
         written += _copy_tokenizer(tokenizer_dir, path)
-    _fsync(path)
+    fsync_path(path)
     return written
 
 
@@ -463,7 +464,7 @@ def _copy_tokenizer(tokenizer_dir: str, path: str) -> list[str]:
     for f in files:
         target = os.path.join(path, f)
         shutil.copyfile(os.path.join(tokenizer_dir, f), target)
-        _fsync(target)
+        fsync_path(target)
     return files
 
 

@@ -1,7 +1,10 @@
-"""From a RunConfig to objects: model, optimizer, compiled step, learner, engines, param server.
+"""From a RunConfig to the run's objects: tokenizer, task, learner, rollout, param server.
 
-The trainer, the Ray learner actor, launch/export.py and the benchmarks build through here, so
-one config means one model and one optimizer everywhere.
+The kind of learner and of rollout is chosen here, once: start_learner gives the learner
+contract (rl.learner.LearnerHandle) over a learner in this process, the leader of learner hosts
+in lockstep, or the Ray learner actors; make_rollout gives the engine contract over this
+process's engine (rollout.engine, from rl/engines.py) or the Ray worker pool. What every
+learner host builds (model, optimizer, compiled step) is in rl/learner_setup.py.
 """
 
 from __future__ import annotations
@@ -9,19 +12,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import zlib
+from typing import Any
 
 import numpy as np
-import optax
 
-from models import sharding as msh
-from models.config import ModelConfig
 from rl import config as C
-from rl import distributed
-from rl.algorithms import losses as L
 from rl.algorithms.advantages import compute_advantages
-from rl.checkpoint import Checkpointer
-from rl.learner import Learner, StepConfig, bucket, make_optimizer, make_schedule, train_batch
-from rl.placement import Placement
+from rl.engines import engine_spec
+from rl.learner import Learner, LearnerHandle, bucket, train_batch
+from rl.learner_setup import make_learner, rl_step_cfg
+from rl.placement import Placement, pin_learner
 from rl.rollout.base import SamplingParams
 
 
@@ -43,116 +43,6 @@ def sampling(cfg: C.RunConfig, greedy: bool = False) -> SamplingParams:
         temperature=r.eval_temperature if greedy else r.temperature,
         top_k=0 if greedy else r.top_k,
         top_p=1.0 if greedy else r.top_p,
-    )
-
-
-def model_config(cfg: C.RunConfig, vocab_size: int) -> ModelConfig:
-    """The ModelConfig of a preset, with the run's dtypes and attention settings."""
-    from models import config as mc
-
-    try:
-        base = getattr(mc, cfg.model.preset)(**cfg.model.overrides)
-    except ValueError as e:  # e.g. heads that do not divide hidden_size
-        raise C.ConfigError(
-            f"model.overrides: {cfg.model.overrides!r} give an invalid model: {e}"
-        ) from None
-    if base.vocab_size < vocab_size:
-        base = dataclasses.replace(base, vocab_size=bucket(vocab_size, 64))
-    return dataclasses.replace(
-        base,
-        dtype=cfg.model.dtype,
-        param_dtype=cfg.model.param_dtype,
-        attention_impl=cfg.model.attention_impl,
-        remat=cfg.model.remat,
-        matmul_precision=cfg.model.matmul_precision,
-    )
-
-
-_OPTIMIZERS: dict[int, tuple] = {}  # id(tx) -> (tx, name) of the optimizers built below
-
-
-def _named(tx, name: str):
-    """`tx`, noted as the run's optimizer `name` (kept alive, so its id stays its own)."""
-    _OPTIMIZERS[id(tx)] = (tx, name)
-    return tx
-
-
-def optimizer_name(tx) -> str | None:
-    """'rl' or 'sft' when `tx` is one of the run's optimizers built here, else None (a learner
-    host without Ray rebuilds it by name: an optax transformation holds closures, no pickle)."""
-    entry = _OPTIMIZERS.get(id(tx))
-    return entry[1] if entry is not None and entry[0] is tx else None
-
-
-def named_optimizer(cfg: C.RunConfig, name: str):
-    """The run's optimizer `name` ('rl' or 'sft'), built from cfg."""
-    return {"rl": rl_optimizer, "sft": sft_optimizer}[name](cfg)
-
-
-def rl_optimizer(cfg: C.RunConfig):
-    """The optimizer of the run (its state structure is what checkpoints hold).
-
-    With sft.continue_optimizer the warm start and RL share it: the RL stage keeps the warm
-    start's Adam moments, so its first steps are not the sign-like steps of a fresh Adam.
-    """
-    o, s = cfg.optim, cfg.sft
-    sched = make_schedule(
-        o.lr,
-        total_steps=cfg.trainer.total_updates * cfg.learner.minibatches,
-        warmup_steps=o.warmup_steps,
-        schedule=o.schedule,
-    )
-    if s.steps > 0 and s.continue_optimizer:  # one optimizer, one step count, both stages
-        warm = make_schedule(
-            s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule
-        )
-        sched = optax.join_schedules([warm, sched], [s.steps])
-    tx = make_optimizer(
-        sched,
-        weight_decay=o.weight_decay,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        max_grad_norm=o.max_grad_norm,
-    )
-    return _named(tx, "rl")
-
-
-def sft_optimizer(cfg: C.RunConfig):
-    """The warm start's own optimizer (when it does not continue into RL)."""
-    s = cfg.sft
-    tx = make_optimizer(s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps, schedule=s.schedule)
-    return _named(tx, "sft")
-
-
-def loss_config(cfg: C.RunConfig) -> L.LossConfig:
-    """The algorithm section as a LossConfig."""
-    a = cfg.algorithm
-    return L.LossConfig(
-        clip_eps=a.clip_eps,
-        clip_eps_high=a.clip_eps_high,
-        dual_clip_c=a.dual_clip_c,
-        is_correction=a.is_correction,
-        is_cap=a.is_cap,
-        decoupled_cap=a.decoupled_cap,
-        aggregation=a.aggregation,
-        kl_coef=a.kl_coef,
-        loss_norm_const=a.loss_norm_const,
-    )
-
-
-def rl_step_cfg(cfg: C.RunConfig) -> StepConfig:
-    """The compiled RL step of the run (loss, temperature, micro-batches)."""
-    a = cfg.algorithm
-    n_seq = cfg.rollout.prompts_per_update * cfg.rollout.group_size // cfg.learner.minibatches
-    mb = cfg.learner.micro_batch_size
-    return StepConfig(
-        loss=a.loss,
-        loss_cfg=loss_config(cfg),
-        temperature=cfg.rollout.temperature,
-        micro_batches=(n_seq // mb) if mb else 1,
-        logprob_chunk=cfg.learner.logprob_chunk,
-        needs_proximal=L.needs_proximal(a.loss, a.is_correction),
     )
 
 
@@ -270,66 +160,6 @@ def make_task(cfg: C.RunConfig, tokenizer):
     return task
 
 
-def build_model(cfg: C.RunConfig, vocab_size: int, mesh):
-    """The run's initial policy on `mesh`: a preset at cfg.seed, or a Hugging Face checkpoint."""
-    if cfg.model.init == "hf":
-        from models import load_hf
-
-        m = cfg.model  # the run's compute settings over the checkpoint's shapes
-        return load_hf(
-            m.path,
-            mesh=mesh,
-            dtype=m.dtype,
-            param_dtype=m.param_dtype,
-            attention_impl=m.attention_impl,
-            remat=m.remat,
-            matmul_precision=m.matmul_precision,
-        )
-    return msh.create_model(model_config(cfg, vocab_size), mesh, seed=cfg.seed)
-
-
-def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
-    """(mesh, Learner, Checkpointer) of the run on `devices` (in process, or in the learner
-    actor of the ray transport). With learner.hosts > 1 (after distributed.initialize) the mesh
-    takes an equal share of every host's devices instead."""
-    import jax
-
-    m = cfg.learner.mesh
-    n_dev = m.data * m.fsdp * m.tensor
-    if jax.process_count() != cfg.learner.hosts:
-        raise C.ConfigError(
-            f"learner.hosts: {cfg.learner.hosts}, but this learner has {jax.process_count()} "
-            "JAX process(es) (rl.distributed.initialize joins them)"
-        )
-    if cfg.learner.hosts > 1:
-        devices = distributed.process_devices(n_dev // cfg.learner.hosts)
-    if n_dev > len(devices):
-        raise C.ConfigError(
-            f"learner.mesh: {m.data}x{m.fsdp}x{m.tensor} needs {n_dev} devices, "
-            f"{len(devices)} available (trainer.learner_devices / trainer.ray.learner_gpus)"
-        )
-    mesh = msh.make_mesh(m.data, m.fsdp, m.tensor, devices=list(devices)[:n_dev])
-    model = build_model(cfg, vocab_size, mesh)
-    learner = Learner(model, rl_optimizer(cfg), mesh=mesh, step_cfg=rl_step_cfg(cfg))
-    ckpt = Checkpointer(
-        os.path.join(run_dir, "checkpoints"),
-        keep=cfg.trainer.keep_checkpoints,
-        async_save=cfg.trainer.async_checkpoint,
-    )
-    return mesh, learner, ckpt
-
-
-def restore_learner(learner: Learner, ckpt: Checkpointer, *, partials: bool = False):
-    """Loads the newest checkpoint into `learner`: (meta, groups), or None if there is none;
-    with partials=True (meta, groups, partial groups)."""
-    if ckpt.latest_step() is None:
-        return None
-    state, meta, groups, parts = ckpt.restore(learner.state, partials=True)
-    learner.state = state
-    learner.version = meta["version"]
-    return (meta, groups, parts) if partials else (meta, groups)
-
-
 def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: str, tokenizer):
     """The parameter server writing each version's HF directory under run_dir/weights."""
     from rl.param_server import ParamServer
@@ -343,27 +173,6 @@ def make_param_server(cfg: C.RunConfig, model_config_, run_dir: str, tok_dir: st
     )
 
 
-def vllm_launch_options(cfg: C.RunConfig) -> dict:
-    """How the run launches a vLLM server (VLLMHost.launch keywords)."""
-    v = cfg.rollout.vllm
-    return {
-        "ready_timeout_s": v.ready_timeout_s,
-        "seed": cfg.seed,
-        "host": v.host,
-        "enforce_eager": v.enforce_eager,
-        "extra_args": list(v.extra_args),
-    }
-
-
-def vllm_engine_options(cfg: C.RunConfig) -> dict:
-    """How the run drives vLLM servers (VLLMEngine keywords)."""
-    return {
-        "update_mode": cfg.trainer.partial,
-        "request_timeout_s": cfg.rollout.vllm.request_timeout_s,
-        "deadline_s": cfg.trainer.deadline_s,
-    }
-
-
 def make_engine(
     cfg: C.RunConfig,
     learner: Learner,
@@ -374,7 +183,8 @@ def make_engine(
     cache_len: int | None = None,
     warm=None,
 ):
-    """The local transport's rollout engine, serving the learner's current weights.
+    """The local transport's rollout engine (rollout.engine, from the engine registry),
+    serving the learner's current weights.
 
     vLLM hosts (launched here, or rollout.vllm.urls) reload from the parameter server's
     directories; the JAX sampler runs where `place` says (a process of its own, beside the
@@ -382,55 +192,14 @@ def make_engine(
     before serving. With rollout.batch_invariant the JAX sampler computes every row at fixed
     shapes, its cache `cache_len` positions (row_length).
     """
-    t = cfg.trainer
-    common = dict(
-        version=learner.version,
-        max_batch=cfg.rollout.batch_size,
-        deadline_s=t.deadline_s,
-        update_mode=t.partial,
-    )
-    if cfg.rollout.batch_invariant:
-        common["cache_len"] = cache_len
-    if cfg.rollout.engine == "vllm":
-        from rl.rollout.vllm import VLLMEngine, launch_engine
-
-        v = cfg.rollout.vllm
-        version = learner.version
-        path, _ = param_server.write(version, learner.params())
-        if v.urls:  # servers of the user's: reloaded to this run's weights at once
-            engine = VLLMEngine(v.urls, version=version, **vllm_engine_options(cfg))
-            engine.update_weights(version, path).wait()
-        else:
-            logs = [os.path.join(run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)]
-            engine = launch_engine(
-                path,
-                logs,
-                version=version,
-                launch=vllm_launch_options(cfg),
-                engine=vllm_engine_options(cfg),
-            )
-        param_server.served("engine", version)
-        return engine
-    common["warm"] = warm
-    if place.kind == "process":
-        from rl.rollout.process_engine import ProcessEngine
-
-        cores = place.cores.rollout if place.cores else ()
-        return ProcessEngine(
-            learner.model,
-            cores=cores,
-            max_restarts=t.max_rollout_restarts,
-            hang_s=t.rollout_hang_s,
-            **common,
-        )
-    from rl.rollout.jax_engine import JaxEngine
-
-    split = place.split
-    return JaxEngine(
-        learner.model,
-        devices=split.rollout if split else None,
-        background_install=split is not None,
-        **common,
+    return engine_spec(cfg.rollout.engine).local(
+        cfg,
+        learner,
+        place,
+        param_server=param_server,
+        run_dir=run_dir,
+        cache_len=cache_len,
+        warm=warm,
     )
 
 
@@ -453,3 +222,99 @@ def make_eval_engine(cfg: C.RunConfig, learner: Learner, warm=None):
         deadline_s=cfg.trainer.deadline_s,
         warm=warm,
     )
+
+
+def start_learner(
+    cfg: C.RunConfig, vocab_size: int, run_dir: str, place: Placement
+) -> LearnerHandle:
+    """The run's learner (LearnerHandle): Ray learner actors (trainer.transport ray; this process
+    holds no model), this process leading the other hosts of a lockstep learner (learner.hosts
+    > 1, rl/lockstep.py), or a Learner on this host's devices (or trainer.learner_devices)."""
+    if cfg.trainer.transport == "ray":
+        from rl.ray.learner import remote_learner
+
+        return remote_learner(cfg, run_dir, vocab_size, place.cores.learner if place.cores else ())
+    if cfg.learner.hosts > 1:
+        from rl import lockstep
+
+        return lockstep.lead(cfg, vocab_size, run_dir)
+    import jax
+
+    devices = place.split.learner if place.split else jax.devices()
+    return make_learner(cfg, vocab_size, devices, run_dir)[1]
+
+
+@dataclasses.dataclass
+class Rollout:
+    """What generates the run's episodes (make_rollout)."""
+
+    slots: Any  # the dispatch slots groups run on (rl.dispatch.LocalRollout, or the worker pool)
+    engine: Any  # the engine contract the learner's weights are published to
+    evaluator: Any  # the engine held-out evaluation runs on
+    param_server: Any = None  # writes the HF directories the engine reloads (hf_weights)
+
+    def publish(self, version: int, weights, served, failed) -> None:
+        """Starts moving the engine to `weights` at `version` (first published as an HF
+        directory when it reloads those); served(version) once it serves them, failed(error)
+        if it does not."""
+        if self.param_server is not None:
+            weights.publish_with(self.param_server, version)
+
+        def done(v: int) -> None:
+            served(v)
+            if self.param_server is not None:  # retention keeps the directory it serves
+                self.param_server.served("engine", v)
+
+        self.engine.update_weights(version, weights).then(done, failed)
+
+
+def make_rollout(
+    cfg: C.RunConfig, learner, place: Placement, task, tokenizer, tok_dir: str, run_dir: str,
+    eval_problems,
+) -> Rollout:  # fmt: skip
+    """The run's rollout on the learner's current weights: the Ray worker pool (trainer.transport
+    ray), or rollout.engine in this process (dispatch streams over one engine; beside vLLM
+    hosts, an in-process JAX sampler evaluates). A JAX sampler compiles what rollout.warm asks
+    before serving. This process (the learner's) moves to its trainer.pin_cores share after the
+    warm start, before a rollout process starts."""
+    warm = None  # what the JAX sampler compiles before serving (rollout.warm)
+    if cfg.rollout.warm:
+        warm = warm_spec(cfg, task, tokenizer, eval_problems)
+    if cfg.trainer.transport == "ray":
+        from rl.ray.pool import worker_pool
+
+        pool = worker_pool(
+            cfg,
+            learner.weights(),
+            learner.config,
+            version=learner.version,
+            run_dir=run_dir,
+            tokenizer_dir=tok_dir,
+            tokenizer=tokenizer,
+            cores=place.cores.rollout if place.cores else (),
+            warm=warm,
+        )
+        return Rollout(pool, pool, pool)
+    from rl.dispatch import LocalRollout
+
+    if place.cores and cfg.sft.steps > 0:
+        pin_learner(place.cores.learner)  # with no warm start, placement.prepare pinned it
+    param_server = None
+    if engine_spec(cfg.rollout.engine).hf_weights:
+        param_server = make_param_server(cfg, learner.config, run_dir, tok_dir, tokenizer)
+    engine = make_engine(
+        cfg,
+        learner,
+        place,
+        param_server=param_server,
+        run_dir=run_dir,
+        cache_len=row_length(cfg, task, tokenizer, eval_problems),
+        warm=warm,
+    )
+    evaluator = engine
+    if param_server is not None:  # greedy: no top-k / top-p programs
+        evaluator = make_eval_engine(
+            cfg, learner, warm and dataclasses.replace(warm, truncate=False)
+        )
+    slots = LocalRollout(engine, task, tokenizer, streams(cfg))
+    return Rollout(slots, engine, evaluator, param_server)

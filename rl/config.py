@@ -46,7 +46,7 @@ def sub(cls: type, help: str) -> Any:  # noqa: A002
 
 
 # ---------------------------------------------------------------------------------------------
-# Registries: the single source of the names of tasks, advantage estimators and losses.
+# Registries: the single source of the names of tasks, engines, advantage estimators and losses.
 # Imported when first needed, so `import rl.config` stays free of JAX.
 
 
@@ -62,6 +62,13 @@ def advantage_names() -> tuple[str, ...]:
     from rl.algorithms.advantages import ADVANTAGES
 
     return tuple(ADVANTAGES)
+
+
+def engine_names() -> tuple[str, ...]:
+    """Registered rollout engines (rl.engines.ENGINES), in registration order."""
+    from rl.engines import ENGINES
+
+    return tuple(ENGINES)
 
 
 def loss_names() -> tuple[str, ...]:
@@ -167,7 +174,9 @@ class VLLMSection:
 
 @dataclasses.dataclass
 class RolloutSection:
-    engine: Literal["jax", "vllm"] = F("jax", "rollout engine")
+    engine: str = F(
+        "jax", "rollout engine", choices=engine_names, registry="rl.engines.register_engine"
+    )
     group_size: int = F(8, "samples per prompt (one GRPO group)")
     prompts_per_update: int = F(32, "groups consumed by one optimizer update")
     max_new_tokens: int = F(16, "generation budget per turn")

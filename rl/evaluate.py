@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from rl.agent import run_episodes
+from rl.rollout.base import WorkerLost
 
 
 def evaluate(engine, task, tokenizer, problems, params) -> dict:
@@ -22,6 +23,20 @@ def evaluate(engine, task, tokenizer, problems, params) -> dict:
         "eval/length": float(np.mean([e.num_generated for e in eps])),
         "timing/eval": time.perf_counter() - t0,
     }
+
+
+def evaluate_held_out(engine, task, tokenizer, problems, greedy, sampled=None, k: int = 0) -> dict:
+    """evaluate() with `greedy` params, and with k > 0 also evaluate_sampled() of k samples with
+    `sampled` params. An evaluation whose rollout process was lost runs again on the replacement
+    (each loss uses one of the engine's limited replacements)."""
+    while True:
+        try:
+            out = evaluate(engine, task, tokenizer, problems, greedy)
+            if k:
+                out.update(evaluate_sampled(engine, task, tokenizer, problems, sampled, k))
+            return out
+        except WorkerLost:
+            continue
 
 
 def evaluate_sampled(engine, task, tokenizer, problems, params, k: int) -> dict:

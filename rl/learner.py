@@ -1,11 +1,13 @@
 """The learner: an nnx model + optax optimizer, a jit-sharded train step with donation,
-micro-batch gradient accumulation, and sequence packing."""
+micro-batch gradient accumulation, and sequence packing; and THE learner contract
+(LearnerHandle) that it, the lockstep leader and the Ray learner client keep."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,51 @@ from rl.types import Episode, TrainBatch
 
 class LearnerLost(RuntimeError):
     """The learner's process died; a new one can start from the last checkpoint."""
+
+
+class LearnerHandle(Protocol):
+    """THE learner contract: what the trainer and the warm start call, wherever the learner runs.
+
+    Implemented by Learner (this process, with its Checkpointer), rl.lockstep.Leader (this
+    process leading the other learner hosts) and rl.ray.learner.RemoteLearner (the Ray learner
+    actors' client); rl/build.py start_learner picks one, so the trainer never asks which.
+    """
+
+    version: int  # updates applied (the policy version); the warm start sets it
+    restarts: int  # times the learner was replaced from its last checkpoint
+
+    @property
+    def config(self): ...  # the model's config
+
+    def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
+        """One policy update; the loss metrics."""
+
+    def set_step_cfg(self, cfg: StepConfig) -> None:
+        """Switches the compiled step (warm start / RL)."""
+
+    def reset_optimizer(self, tx: optax.GradientTransformation) -> None:
+        """A fresh optimizer state (the run's own optimizers, rl/learner_setup.py)."""
+
+    def weights(self) -> Weights:
+        """The current params, as the engines take them."""
+
+    def save(self, step: int, meta: dict, groups=None, partials=None) -> None:
+        """Checkpoint `step`: learner state, `meta`, buffered groups, partial groups."""
+
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed; a write that failed raises."""
+
+    def restore(self) -> tuple[dict, dict, dict] | None:
+        """Loads the newest checkpoint: (meta, groups, partial groups), or None if none."""
+
+    def restart(self, why: str) -> None:
+        """Replaces a lost learner (LearnerLost) by one on the newest valid checkpoint."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the update's metrics row."""
+
+    def close(self, failed: bool = False) -> None:
+        """Waits for checkpoint writes and releases the learner (`failed`: the run failed)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +270,10 @@ class Learner:
         mesh=None,
         step_cfg: StepConfig = StepConfig(),
         version: int = 0,
+        ckpt=None,
     ):
+        """ckpt: the Checkpointer its save / restore go through (rl.checkpoint)."""
+        self.ckpt = ckpt
         self.mesh = mesh if mesh is not None else msh.make_mesh(devices=jax.devices()[:1])
         self.step_cfg = step_cfg
         self.version = version
@@ -452,4 +502,43 @@ class Learner:
 
     def reset_optimizer(self, tx: optax.GradientTransformation) -> None:
         """Replaces the optimizer (fresh moments), keeping params and version."""
-        self.__init__(self.model, tx, mesh=self.mesh, step_cfg=self.step_cfg, version=self.version)
+        self.__init__(
+            self.model,
+            tx,
+            mesh=self.mesh,
+            step_cfg=self.step_cfg,
+            version=self.version,
+            ckpt=self.ckpt,
+        )
+
+    # -- checkpoints: the rest of the learner contract (LearnerHandle) -------------------------
+    restarts = 0  # a learner in this process is never replaced
+
+    def save(self, step: int, meta: dict, groups=None, partials=None) -> None:
+        """Checkpoints `step`: the learner state with `meta`, buffered and partial groups."""
+        self.ckpt.save(step, self.state, meta, groups, partials)
+
+    def wait_saved(self) -> None:
+        """Returns once the last checkpoint is committed; a write that failed raises."""
+        self.ckpt.wait()
+
+    def restore(self):
+        """Loads the newest checkpoint: (meta, groups, partial groups), or None if none."""
+        if self.ckpt.latest_step() is None:
+            return None
+        self.state, meta, groups, partials = self.ckpt.restore(self.state, partials=True)
+        self.version = meta["version"]
+        return meta, groups, partials
+
+    def restart(self, why: str) -> None:
+        """A learner in this process is not replaced: its loss ends the run."""
+        raise RuntimeError(f"{why}; a learner in this process is not restarted")
+
+    def stats(self) -> dict[str, float]:
+        """The learner's counters for the update's metrics row (none here)."""
+        return {}
+
+    def close(self, failed: bool = False) -> None:
+        """Waits for the checkpoint writes in flight."""
+        if self.ckpt is not None:
+            self.ckpt.close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ import traceback
 
 from rl import config as C
 from rl import distributed
+from rl.signals import on_stop_signals
 
 PREFIX = "tandem/lockstep"
 BEAT_S = 1.0  # how often process 0 refreshes its keep-alive key
@@ -160,12 +160,12 @@ def finish(code: int) -> int:
 # Process 0
 
 
-def lead(cfg: C.RunConfig, vocab_size: int, run_dir: str):
-    """(Leader, LeaderCheckpointer): process 0's learner and checkpointer, the other hosts
-    building theirs from the same config at the same time."""
+def lead(cfg: C.RunConfig, vocab_size: int, run_dir: str) -> Leader:
+    """Process 0's learner, the other hosts building theirs from the same config at the same
+    time."""
     import jax
 
-    from rl import build
+    from rl.learner_setup import make_learner
 
     if _channel is None:
         raise C.ConfigError(
@@ -173,15 +173,18 @@ def lead(cfg: C.RunConfig, vocab_size: int, run_dir: str):
             "joined first: start it with `python -m launch.train` on every host (rl.lockstep.join)"
         )
     _channel.call("start", cfg, vocab_size, os.path.abspath(run_dir))
-    _, learner, ckpt = build.make_learner(cfg, vocab_size, jax.devices(), run_dir)
-    leader = Leader(learner, _channel)
-    return leader, LeaderCheckpointer(ckpt, leader)
+    _, learner, _ = make_learner(cfg, vocab_size, jax.devices(), run_dir)
+    return Leader(learner, _channel)
 
 
 class Leader:
-    """Process 0's learner, with the Learner interface the trainer uses: each call that changes
-    or reads the sharded state is published for the other hosts before it runs here. Weights
-    and params come back as host numpy arrays gathered to this process (every host gathers)."""
+    """Process 0's learner, with the learner contract (rl.learner.LearnerHandle): each call that
+    changes or reads the sharded state is published for the other hosts before it runs here.
+    Weights and params come back as host numpy arrays gathered to this process (every host
+    gathers). Every host saves, waits for and restores its own shards of the same checkpoint
+    (Orbax's primary, this one, writes its metadata and the groups files)."""
+
+    restarts = 0  # hosts in lockstep are not replaced: a lost one ends the run
 
     def __init__(self, learner, chan: Channel):
         self.learner, self.channel = learner, chan
@@ -246,15 +249,15 @@ class Leader:
         self.lockstep("set_step_cfg", lambda: self.learner.set_step_cfg(step_cfg), step_cfg)
 
     def reset_optimizer(self, tx) -> None:
-        """A fresh optimizer on every host: one of the run's own (rl/build.py names them; an
-        optax transformation holds closures, which do not pickle)."""
-        from rl import build
+        """A fresh optimizer on every host: one of the run's own (rl/learner_setup.py names them;
+        an optax transformation holds closures, which do not pickle)."""
+        from rl.learner_setup import optimizer_name
 
-        name = build.optimizer_name(tx)
+        name = optimizer_name(tx)
         if name is None:
             raise ValueError(
                 "reset_optimizer: a learner over several hosts without Ray takes only the run's "
-                "own optimizers (rl.build.rl_optimizer / sft_optimizer), not another optax "
+                "own optimizers (rl.learner_setup.rl_optimizer / sft_optimizer), not another optax "
                 "transformation"
             )
         self._changes += 1
@@ -283,40 +286,46 @@ class Leader:
         gather = lambda: distributed.gather_to_primary(state)  # noqa: E731
         return nnx.merge(graphdef, self.lockstep("gather", gather, "model", collective=True))
 
+    # -- checkpoints: every host its own shards --------------------------------------------
+    def save(self, step: int, meta: dict, groups=None, partials=None) -> None:
+        """Checkpoint `step` on every host (the groups and partials files: this host's)."""
+        run = lambda: self.learner.save(step, meta, groups, partials)  # noqa: E731
+        self.lockstep("save", run, step, meta)
 
-class LeaderCheckpointer:
-    """Process 0's Checkpointer: every host saves, waits for and restores its own shards of the
-    same checkpoint (Orbax's primary, this one, writes its metadata and the groups files)."""
-
-    def __init__(self, ckpt, leader: Leader):
-        self.ckpt, self.leader = ckpt, leader
-        self.directory = ckpt.directory
-
-    def latest_step(self) -> int | None:
-        return self.ckpt.latest_step()
-
-    def save(self, step: int, state, meta: dict, groups=None, partials=None) -> None:
-        """Checkpoint `step` (this host's `state`; the others their own)."""
-        run = lambda: self.ckpt.save(step, state, meta, groups, partials)  # noqa: E731
-        self.leader.lockstep("save", run, step, meta)
-
-    def wait(self) -> None:
+    def wait_saved(self) -> None:
         """Returns once every host's last save is committed here."""
-        self.leader.lockstep("wait", self.ckpt.wait)
+        self.lockstep("wait", self.learner.wait_saved)
 
-    def restore(self, state, step: int | None = None, *, partials: bool = False):
-        """Checkpointer.restore here, every other host restoring its learner from the same
-        step; each then checks it restored the checkpoint this host did."""
-        run = lambda: self.ckpt.restore(state, step, partials=partials)  # noqa: E731
-        out = self.leader.lockstep("restore", run, step)
-        meta = out[1]
-        self.leader.lockstep("restored", lambda: None, _identity(meta))
-        return out
+    def restore(self):
+        """The newest checkpoint restored here, every other host restoring its learner from the
+        same step; each then checks it restored the checkpoint this host did. (meta, groups,
+        partial groups), or None if there is none."""
+        ckpt = self.learner.ckpt
+        if ckpt.latest_step() is None:
+            return None
+        run = lambda: ckpt.restore(self.learner.state, None, partials=True)  # noqa: E731
+        state, meta, groups, partials = self.lockstep("restore", run, None)
+        self.lockstep("restored", lambda: None, _identity(meta))
+        self.state = state
+        self.version = meta["version"]
+        return meta, groups, partials
 
-    def close(self) -> None:
-        """Waits for this host's writes; after a lost host nothing that needs the others."""
-        if not self.leader.channel.broken:
-            self.ckpt.close()
+    def restart(self, why: str) -> None:
+        """Hosts in lockstep are not replaced: a lost one ends the run."""
+        raise RuntimeError(f"{why}; learner hosts in lockstep are not restarted")
+
+    def stats(self) -> dict[str, float]:
+        """The learner's counters for the update's metrics row (none here)."""
+        return {}
+
+    def close(self, failed: bool = False) -> None:
+        """Ends the other hosts (they close their checkpointers and exit, 1 if `failed`), then
+        waits for this host's writes; after a lost host nothing that needs the others."""
+        try:
+            self.channel.end(failed)
+        finally:
+            if not self.channel.broken:
+                self.learner.close()
 
 
 def _identity(meta: dict | None) -> tuple:
@@ -384,7 +393,7 @@ class Follower:
         """Follows until process 0 ends the run: 0, or 1 when it ended with an error."""
         import jax
 
-        from rl import build
+        from rl.learner_setup import make_learner
 
         method, args = self.next_call()
         if method == "end":
@@ -393,8 +402,7 @@ class Follower:
             raise RuntimeError(f"learner call {method!r} before 'start' (a host of another run?)")
         cfg, vocab_size, run_dir = args
         self._check_same(cfg, run_dir)
-        built = build.make_learner(self.cfg, vocab_size, jax.devices(), run_dir)
-        _, self.learner, self.ckpt = built
+        _, self.learner, self.ckpt = make_learner(self.cfg, vocab_size, jax.devices(), run_dir)
         here = jax.process_index()
         mine = [d for d in self.learner.mesh.devices.flat if d.process_index == here]
         print(
@@ -450,9 +458,9 @@ class Follower:
         self.learner.set_step_cfg(step_cfg)
 
     def _reset_optimizer(self, name: str) -> None:
-        from rl import build
+        from rl.learner_setup import named_optimizer
 
-        self.learner.reset_optimizer(build.named_optimizer(self.cfg, name))
+        self.learner.reset_optimizer(named_optimizer(self.cfg, name))
 
     def _gather(self, what: str) -> None:
         from flax import nnx
@@ -502,21 +510,10 @@ def follow(cfg: C.RunConfig, run_dir: str) -> int:
     checkpoints with it and ends it; past trainer.preempt_deadline_s it exits 1."""
     deadline = cfg.trainer.preempt_deadline_s
 
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
+    def keep_following(name: str) -> None:
         print(f"{name}: host 0 checkpoints the run; following until it ends", file=sys.stderr)
 
-        def overdue():
-            print(f"error: {name}: not ended by host 0 within {deadline:g} s", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(1)
-
-        timer = threading.Timer(deadline, overdue)
-        timer.daemon = True
-        timer.start()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    on_stop_signals(keep_following, deadline, f"not ended by host 0 within {deadline:g} s")
     try:
         import jax
 

@@ -508,3 +508,46 @@ def dump_episodes(path: str, groups, tokenizer, limit: int) -> None:
                 "token_versions": e.versions.tolist(),
             }
             f.write(json.dumps(row) + "\n")
+
+
+def set_aside_dumps(episodes_dir: str, version: int, restart: int) -> None:
+    """The episode dumps of updates after `version` (lost with a learner) move to
+    episodes/lost/, named by the restart, so the repeated updates' dumps do not overwrite
+    them: a group trained by a lost update and again later stays visible."""
+    lost_dir = os.path.join(episodes_dir, "lost")
+    for name in sorted(os.listdir(episodes_dir)):
+        if name.startswith("v") and name.endswith(".jsonl") and int(name[1:-6]) > version:
+            os.makedirs(lost_dir, exist_ok=True)
+            os.replace(
+                os.path.join(episodes_dir, name), os.path.join(lost_dir, f"restart{restart}-{name}")
+            )
+
+
+def log_preemption(run_dir: str, buffer, partials: dict, *, version, reason, returned) -> None:
+    """Appends where every dispatched group is to RUN_DIR/preemptions.jsonl (trained,
+    filtered, dropped, lost, buffered, in flight with a saved partial, in flight to start
+    again) and says it; groups a rollout did not return in time start again from their
+    prompts, and the tokens they had generated are lost: their number is said."""
+    acc = buffer.accounting(partials)
+    acc.update(
+        version=version,
+        reason=reason,
+        rollout_returned=returned,
+        partial_tokens=sum(p.num_generated for p in partials.values()),
+    )
+    with open(os.path.join(run_dir, "preemptions.jsonl"), "a") as f:
+        f.write(json.dumps(acc) + "\n")
+    print(
+        f"preemption: of {acc['dispatched']} groups dispatched, {acc['trained']} trained, "
+        f"{acc['filtered']} filtered, {acc['dropped']} dropped, {acc['lost']} lost, "
+        f"{len(acc['buffered'])} finished and kept, {len(acc['partial'])} in flight kept "
+        f"({acc['partial_tokens']} tokens), {len(acc['restart'])} to start again",
+        file=sys.stderr,
+    )
+    if not returned:
+        print(
+            f"preemption: the rollout did not return its groups in time; "
+            f"{len(acc['restart'])} groups (numbers {acc['restart'][:16]}) start again from "
+            f"their prompts at resume, and the tokens generated for them are lost",
+            file=sys.stderr,
+        )

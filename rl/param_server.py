@@ -25,19 +25,10 @@ import jax
 from flax import nnx
 
 from models.config import ModelConfig
-from models.hf import hf_tensor_plan, save_hf_tensors
+from models.hf import fsync_path, hf_tensor_plan, save_hf_tensors
 from rl.checkpoint import ParamReader, open_params, restore_params, sha256_file
 
 MANIFEST = "manifest.json"
-
-
-def fsync_path(path: str) -> None:
-    """fsyncs a file or directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def io_workers() -> int:

@@ -5,7 +5,8 @@ engine aborted: the token ids so far (prompt, generated and environment tokens),
 mask, behaviour log-probs and per-token versions, and the agent state (turn, tokens left in the
 turn, aborts so far, the seed, whether the sample is done). At resume the agent loop rebuilds
 its drafts from them and continues generation after the saved tokens (the `continue` semantics
-of partial rollouts), so no generated token is lost and none changes.
+of partial rollouts), so no generated token is lost and none changes. SavedPartials hands each
+saved group to the dispatch once.
 
 The arrays codec reuses rl.types.groups_to_arrays (each sample as an Episode) plus per-sample
 columns for the agent state, so a partials file is a plain npz, loaded without pickle.
@@ -14,6 +15,7 @@ columns for the agent state, so a partials file is a plain npz, loaded without p
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -140,3 +142,27 @@ def by_id(partials: Iterable[PartialGroup]) -> dict[int, PartialGroup]:
             raise ValueError(f"partial group {p.group_id} appears twice")
         out[p.group_id] = p
     return out
+
+
+class SavedPartials:
+    """A preemption checkpoint's partial groups at resume, each handed out once to be continued;
+    those not handed out yet stay saved when the run checkpoints again. Dispatcher threads take
+    from it concurrently."""
+
+    def __init__(self, partials: Mapping[int, PartialGroup] | None = None):
+        self._left = dict(partials or {})
+        self._lock = threading.Lock()
+
+    def take(self, group: int) -> PartialGroup | None:
+        """The saved partial of `group` the first time it is asked for, else None."""
+        with self._lock:
+            return self._left.pop(group, None)
+
+    def left(self) -> dict[int, PartialGroup]:
+        """{group: PartialGroup} of the partials not handed out yet."""
+        with self._lock:
+            return dict(self._left)
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._left)

@@ -9,6 +9,7 @@ import numpy as np
 from rl import build
 from rl.buffer import Stopped
 from rl.learner import StepConfig, bucket, make_batch
+from rl.learner_setup import rl_optimizer, rl_step_cfg, sft_optimizer
 from rl.types import Episode
 
 
@@ -132,9 +133,9 @@ def warm_start_run(cfg, learner, task, tokenizer, stop=None):
             task,
             tokenizer,
             cfg.sft,
-            rl_step=build.rl_step_cfg(cfg),
-            sft_tx=build.sft_optimizer(cfg) if fresh else None,
-            rl_tx=build.rl_optimizer(cfg) if fresh else None,
+            rl_step=rl_step_cfg(cfg),
+            sft_tx=sft_optimizer(cfg) if fresh else None,
+            rl_tx=rl_optimizer(cfg) if fresh else None,
             stop=stop,
             probe=probe,
         )

@@ -5,33 +5,28 @@ bound eta the coordinator enforces (sync 0, one_step_off 1, async trainer.max_st
 Dispatcher threads (rl/dispatch.py) admit groups and deliver finished ones to the buffer; the
 learner consumes B groups per update, publishes its weights to the rollout engine every
 sync_every updates, evaluates and checkpoints. What is built from the config comes from
-rl/build.py (local transport) or rl/ray (ray transport); a local learner over several hosts is
-driven through rl/lockstep.py (this process is its host 0).
+rl/build.py: the learner behind one contract (rl.learner.LearnerHandle: in this process, host 0
+of a lockstep learner, or Ray actors) and the rollout behind the engine contract, so the loop
+never asks which kind it holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sys
-import threading
 import time
 import traceback
 
-import jax
-
-from rl import build, placement
+from rl import build, metrics, placement
 from rl import config as C
 from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
-from rl.dispatch import Dispatcher, LocalRollout
-from rl.evaluate import evaluate, evaluate_sampled
+from rl.dispatch import Dispatcher
+from rl.evaluate import evaluate_held_out
 from rl.learner import LearnerLost
 from rl.metrics import LoopMeter, MetricsWriter, dump_episodes, engine_metrics, update_row
-from rl.placement import pin_learner
-from rl.replay import ScheduleWriter
-from rl.rollout.base import WorkerLost
+from rl.partials import SavedPartials
+from rl.schedule import ScheduleWriter
 from rl.sft import warm_start_run
 
 
@@ -47,18 +42,13 @@ class Trainer:
         place: placement.Placement | None = None,
     ):
         """place: the config's placement if the caller resolved it already (launch.train)."""
-        self.ckpt = self.param_server = None
-        self._coord = self._engine = self._evaluator = self._dispatcher = None
-        self.owns_ray = self._closed = False
+        self.learner = self._rollout = self.param_server = None
+        self._coord = self._dispatcher = self._buffer = None
+        self._closed = False
         self.stop_reason: str | None = None  # request_stop(): checkpoint and return
         self._stop_t = 0.0  # when request_stop() was called (time.monotonic)
-        # a preemption checkpoint's partial groups, each handed out once to be continued
-        self._resume_partials: dict = {}
-        self._partials_lock = threading.Lock()
-        self._buffer: GroupBuffer | None = None
-        self.remote = cfg.trainer.transport == "ray"  # the learner is an actor of its own
+        self.saved_partials = SavedPartials()  # a preemption checkpoint's, continued at resume
         self.place = place or placement.prepare(cfg)  # backend-dependent settings fail first
-        self.cores = self.place.cores  # trainer.pin_cores: the rollout's and the learner's
         self.cfg = cfg = self.place.config
         self.run_dir = run_dir or os.path.join(cfg.run_root, cfg.name)
         os.makedirs(self.run_dir, exist_ok=True)
@@ -71,7 +61,12 @@ class Trainer:
         self.eta = build.effective_eta(cfg)
         self.B, self.n = cfg.rollout.prompts_per_update, cfg.rollout.group_size
         try:
-            self.restored = self._start_remote(resume) if self.remote else self._start_local(resume)
+            self.learner = build.start_learner(
+                cfg, self.tokenizer.vocab_size, self.run_dir, self.place
+            )
+            restored = self.learner.restore() if resume else None
+            self.restored = restored and restored[:2]  # (meta, finished groups), or None
+            self.saved_partials = SavedPartials(restored and restored[2])
             step = self.restored[0]["step"] if self.restored else False
             self.writer = MetricsWriter(
                 self.run_dir,
@@ -87,89 +82,29 @@ class Trainer:
         self.episodes_dir = os.path.join(self.run_dir, "episodes")
         os.makedirs(self.episodes_dir, exist_ok=True)
 
-    def _start_local(self, resume: bool):
-        """The learner in this process, on this host's devices (or trainer.learner_devices);
-        with learner.hosts > 1 this process's share of it, driving the other hosts' shares."""
-        if self.cfg.learner.hosts > 1:
-            from rl import lockstep
-
-            self.learner, self.ckpt = lockstep.lead(
-                self.cfg, self.tokenizer.vocab_size, self.run_dir
-            )
-        else:
-            split = self.place.split
-            pool = split.learner if split else jax.devices()
-            _, self.learner, self.ckpt = build.make_learner(
-                self.cfg, self.tokenizer.vocab_size, pool, self.run_dir
-            )
-        if not resume:
-            return None
-        restored = build.restore_learner(self.learner, self.ckpt, partials=True)
-        if restored is None:
-            return None
-        meta, groups, self._resume_partials = restored
-        return meta, groups
-
-    def _start_remote(self, resume: bool):
-        """The learner as a Ray actor (trainer.transport=ray); this process holds no model."""
-        from rl.ray.cluster import connect
-        from rl.ray.learner import RemoteLearner
-
-        cfg, r = self.cfg, self.cfg.trainer.ray
-        self.owns_ray = connect(
-            r.address, need_cpus=r.num_workers * r.worker_cpus + r.learner_cpus * cfg.learner.hosts
-        )
-        self.learner = RemoteLearner(
-            cfg,
-            self.run_dir,
-            self.tokenizer.vocab_size,
-            cpus=r.learner_cpus,
-            gpus=r.learner_gpus,
-            cores=self.cores.learner if self.cores else (),
-            log_dir=os.path.join(os.path.abspath(self.run_dir), "logs"),
-            deadline_s=cfg.trainer.deadline_s,
-            health_deadline_s=r.health_deadline_s,
-            pass_env=self.owns_ray,  # a joined cluster's nodes keep their own environment
-            max_restarts=r.max_learner_restarts,
-        )
-        return self.learner.restore() if resume else None
-
     def close(self, failed: bool = False) -> None:
-        """Shuts the run down in order: admission, rollout, engines, metrics, checkpoints (a save
-        in flight completes), the learner actor and a Ray cluster this trainer started; the
-        other learner hosts of a local multi-host learner end with it (exit 1 if `failed`).
-        Idempotent; a step that fails is reported and the others still run."""
+        """Shuts the run down in order: admission, rollout, engines, task, metrics, then the
+        learner (a checkpoint in flight completes; learner hosts and a Ray cluster it started end
+        with it, `failed` telling them the run failed). Idempotent; a step that fails is
+        reported and the others still run."""
         if self._closed:
             return
         self._closed = True
         steps = []
-        coord, engine, dispatcher = self._coord, self._engine, self._dispatcher
-        evaluator = self._evaluator
+        coord, parts, dispatcher = self._coord, self._rollout, self._dispatcher
         if coord is not None:
             steps.append(coord.stop)
-        if engine is not None:
-            steps.append(engine.abort)
+        if parts is not None:
+            steps.append(parts.engine.abort)
         if dispatcher is not None:
             steps.append(lambda: dispatcher.join(timeout=60))
-        for e in {id(e): e for e in (engine, evaluator) if e is not None}.values():
-            steps.append(e.close)
-        if self.cfg.learner.hosts > 1 and not self.remote:
-            from rl import lockstep
-
-            chan = lockstep.channel()
-            if chan is not None:  # the other hosts close their checkpointers with this one
-                steps.append(lambda: chan.end(failed))
-        if getattr(self, "task", None) is not None:
-            steps.append(self.task.close)
-        for res in (getattr(self, "writer", None), self.ckpt):
+        if parts is not None:
+            steps += [e.close for e in {id(e): e for e in (parts.engine, parts.evaluator)}.values()]
+        for res in (getattr(self, "task", None), getattr(self, "writer", None)):
             if res is not None:
                 steps.append(res.close)
-        if self.remote and getattr(self, "learner", None) is not None:
-            steps.append(self.learner.close)
-        if self.owns_ray:
-            import ray
-
-            steps.append(ray.shutdown)
+        if self.learner is not None:
+            steps.append(lambda: self.learner.close(failed))
         for step in steps:
             try:
                 step()
@@ -193,148 +128,58 @@ class Trainer:
         group with a saved partial (a preemption's) gets it as a fifth item, to continue."""
         out = []
         for g, v in admitted:
-            with self._partials_lock:
-                part = self._resume_partials.pop(g, None)
+            part = self.saved_partials.take(g)
             item = (g, v, self.train_problem(g), self.episode_seeds(g))
             out.append(item if part is None else (*item, part))
         return out
 
-    def _make_rollout(self):
-        """(rollout with its dispatch slots, the engine behind it, the evaluation engine)."""
-        cfg, learner = self.cfg, self.learner
-        warm = None  # what the JAX sampler compiles before serving (rollout.warm)
-        if cfg.rollout.warm:
-            warm = build.warm_spec(cfg, self.task, self.tokenizer, self.eval_problems)
-        if self.remote:
-            from rl.ray.pool import worker_pool
-
-            pool = worker_pool(
-                cfg,
-                learner.weights(),
-                learner.config,
-                version=learner.version,
-                run_dir=self.run_dir,
-                tokenizer_dir=self.tok_dir,
-                tokenizer=self.tokenizer,
-                cores=self.cores.rollout if self.cores else (),
-                warm=warm,
-            )
-            return pool, pool, pool
-        if cfg.rollout.engine == "vllm":
-            self.param_server = build.make_param_server(
-                cfg, learner.config, self.run_dir, self.tok_dir, self.tokenizer
-            )
-        engine = build.make_engine(
-            cfg,
-            learner,
-            self.place,
-            param_server=self.param_server,
-            run_dir=self.run_dir,
-            cache_len=build.row_length(cfg, self.task, self.tokenizer, self.eval_problems),
-            warm=warm,
-        )
-        if self.param_server is None:
-            evaluator = engine
-        else:  # greedy: no top-k / top-p programs
-            greedy = warm and dataclasses.replace(warm, truncate=False)
-            evaluator = build.make_eval_engine(cfg, learner, greedy)
-        rollout = LocalRollout(engine, self.task, self.tokenizer, build.streams(cfg))
-        return rollout, engine, evaluator
-
     def evaluate(self, engine, sampled: bool = False) -> dict:
-        """Greedy (by default) decoding of the held-out split: accuracy and reward; with
-        `sampled` and task.eval_samples k, also pass@1, pass@k and maj@k of k samples. An
-        evaluation whose rollout process was lost runs again on the replacement (each loss
-        uses one of the engine's limited replacements)."""
-        params = build.sampling(self.cfg, greedy=True)
+        """Greedy decoding of the held-out split: accuracy and reward; with `sampled` and
+        task.eval_samples k, also pass@1, pass@k and maj@k of k samples."""
         k = self.cfg.task.eval_samples if sampled else 0
-        while True:
-            try:
-                out = evaluate(engine, self.task, self.tokenizer, self.eval_problems, params)
-                if k:
-                    out.update(
-                        evaluate_sampled(
-                            engine,
-                            self.task,
-                            self.tokenizer,
-                            self.eval_problems,
-                            build.sampling(self.cfg),
-                            k,
-                        )
-                    )
-                return out
-            except WorkerLost:
-                continue
+        greedy, params = build.sampling(self.cfg, greedy=True), build.sampling(self.cfg)
+        return evaluate_held_out(
+            engine, self.task, self.tokenizer, self.eval_problems, greedy, params, k
+        )
 
-    def publish(self, engine, version: int, coord: Coordinator, buffer: GroupBuffer) -> float:
-        """Starts moving `engine` to the learner's weights at `version`; returns seconds. Once
-        the engine serves them admission widens (and retention follows); a failure reaches the
-        learner through the buffer."""
+    def publish(self, version: int, coord: Coordinator, buffer: GroupBuffer) -> float:
+        """Starts moving the rollout engine to the learner's weights at `version`; returns
+        seconds. Once it serves them admission widens; a failure reaches the learner through
+        the buffer."""
         t0 = time.perf_counter()
-        weights = self.learner.weights()
-        if self.param_server is not None:  # vLLM hosts reload from a published HF directory
-            weights.publish_with(self.param_server, version)
-
-        def served(v: int) -> None:
-            coord.publish(v)
-            if self.param_server is not None:
-                self.param_server.served("engine", v)
-
-        engine.update_weights(version, weights).then(served, buffer.fail)
+        self._rollout.publish(version, self.learner.weights(), coord.publish, buffer.fail)
         return time.perf_counter() - t0
 
-    def save(
-        self, step: int, coord: Coordinator, buffer: GroupBuffer, partials: dict | None = None
-    ) -> None:
+    def save(self, step: int, coord, buffer, partials: dict | None = None) -> None:
         """A checkpoint: learner state, the coordinator's and buffer's state, finished groups,
         and (a preemption's) the partial groups that were in flight."""
         bstate, groups = buffer.state()
         meta = {"step": step, "version": self.learner.version, "sft_done": True}
         meta.update(coordinator=coord.state(), buffer=bstate)
-        if self.remote:  # the learner actor writes its checkpoint
-            self.learner.save(step, meta, groups)
-        else:
-            self.ckpt.save(step, self.learner.state, meta, groups, partials)
+        self.learner.save(step, meta, groups, partials)
 
     def wait_saved(self) -> None:
         """Returns once the last checkpoint is committed; a write that failed fails the run."""
-        if self.remote:
-            self.learner.wait_saved()
-        else:
-            self.ckpt.wait()
+        self.learner.wait_saved()
 
-    def _restart_learner(self, why: str, trained: dict, engine, coord, buffer) -> int:
-        """A learner actor that died or hung: a new one from the newest valid checkpoint
-        (version c), up to trainer.ray.max_learner_restarts. The rollout workers and the buffer
-        keep their work; the groups the updates after c trained are counted lost (their slots
-        freed, never dispatched again); admission, the workers' weights and the metrics go back
-        to c. Returns c."""
+    def _restart_learner(self, why: str, trained: dict, coord, buffer) -> int:
+        """A lost learner (a Ray learner actor that died or hung): a new one from the newest
+        valid checkpoint (version c), up to trainer.ray.max_learner_restarts. The rollout and
+        the buffer keep their work; the groups the updates after c trained are counted lost
+        (their slots freed, never dispatched again); admission, the rollout's weights and the
+        metrics go back to c. Returns c."""
         self.learner.restart(why)  # the live buffer is newer than the checkpoint's groups
         c = self.learner.version
         buffer.lose(sum(n for v, n in trained.items() if v > c))
         for v in [v for v in trained if v > c]:
             del trained[v]
         coord.publish(c)
-        self.publish(engine, c, coord, buffer)
+        self.publish(c, coord, buffer)
         self.writer.rewind(c)
         self.schedule.rewind(c)
-        self._set_aside_dumps(c)
+        metrics.set_aside_dumps(self.episodes_dir, c, self.learner.restarts)
         print(f"learner restarted from checkpoint version {c}: {why}", file=sys.stderr)
         return c
-
-    def _set_aside_dumps(self, c: int) -> None:
-        """The episode dumps of updates after version c (lost with a learner) move to
-        episodes/lost/, named by the restart, so the repeated updates' dumps do not overwrite
-        them: a group trained by a lost update and again later stays visible."""
-        lost_dir = os.path.join(self.episodes_dir, "lost")
-        n = self.learner.restarts  # only a Ray learner restarts
-        for name in sorted(os.listdir(self.episodes_dir)):
-            if name.startswith("v") and name.endswith(".jsonl") and int(name[1:-6]) > c:
-                os.makedirs(lost_dir, exist_ok=True)
-                os.replace(
-                    os.path.join(self.episodes_dir, name),
-                    os.path.join(lost_dir, f"restart{n}-{name}"),
-                )
 
     # -- the loop -------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -354,48 +199,19 @@ class Trainer:
         and continued at resume). The rollout gets half of trainer.preempt_deadline_s to
         return; groups it has not returned by then are dispatched again from their prompts."""
         coord.stop()
-        partials, returned = {}, True
+        partials, ok = {}, True  # ok: the rollout returned its groups in time
         if self._dispatcher is not None:
-            self._engine.abort()
+            self._rollout.engine.abort()
             left = self.cfg.trainer.preempt_deadline_s / 2 - (time.monotonic() - self._stop_t)
-            returned = self._dispatcher.join(timeout=max(0.0, left))
+            ok = self._dispatcher.join(timeout=max(0.0, left))
             partials = self._dispatcher.partials()
-        with self._partials_lock:  # saved partials not dispatched again yet stay saved
-            partials = {**self._resume_partials, **partials}
+        partials = {**self.saved_partials.left(), **partials}  # not dispatched again: kept
         self.save(self.learner.version, coord, buffer, partials)
         self.wait_saved()
-        self._account(buffer, partials, returned)
+        v, why = self.learner.version, self.stop_reason
+        metrics.log_preemption(self.run_dir, buffer, partials, version=v, reason=why, returned=ok)
         summary.update(preempted=self.stop_reason, version=self.learner.version)
         return summary
-
-    def _account(self, buffer: GroupBuffer, partials: dict, returned: bool) -> None:
-        """Appends where every dispatched group is to RUN_DIR/preemptions.jsonl (trained,
-        filtered, dropped, lost, buffered, in flight with a saved partial, in flight to start
-        again) and says it; groups a rollout did not return in time start again from their
-        prompts, and the tokens they had generated are lost: their number is said."""
-        acc = buffer.accounting(partials)
-        acc.update(
-            version=self.learner.version,
-            reason=self.stop_reason,
-            rollout_returned=returned,
-            partial_tokens=sum(p.num_generated for p in partials.values()),
-        )
-        with open(os.path.join(self.run_dir, "preemptions.jsonl"), "a") as f:
-            f.write(json.dumps(acc) + "\n")
-        print(
-            f"preemption: of {acc['dispatched']} groups dispatched, {acc['trained']} trained, "
-            f"{acc['filtered']} filtered, {acc['dropped']} dropped, {acc['lost']} lost, "
-            f"{len(acc['buffered'])} finished and kept, {len(acc['partial'])} in flight kept "
-            f"({acc['partial_tokens']} tokens), {len(acc['restart'])} to start again",
-            file=sys.stderr,
-        )
-        if not returned:
-            print(
-                f"preemption: the rollout did not return its groups in time; "
-                f"{len(acc['restart'])} groups (numbers {acc['restart'][:16]}) start again from "
-                f"their prompts at resume, and the tokens generated for them are lost",
-                file=sys.stderr,
-            )
 
     def run(self, on_engine=None, on_update=None) -> dict:
         """Trains; returns the last logged metrics (with eval/accuracy before and after).
@@ -424,8 +240,6 @@ class Trainer:
                 summary.update(out)
             first = Coordinator(self.B, self.eta)
             self.save(0, first, GroupBuffer(first))
-        if self.cores and cfg.sft.steps > 0 and not self.remote:
-            pin_learner(self.cores.learner)  # after the warm start, before the rollout process
         start = self.learner.version
         # Finished groups from a checkpoint come back; what was in flight is dispatched again
         # (never a group already consumed: trained, filtered or dropped), a group with saved
@@ -444,14 +258,16 @@ class Trainer:
             stale_policy=t.stale_policy,
             filter_zero_advantage=cfg.algorithm.filter_zero_advantage,
         )
-        if self._resume_partials:  # a preemption's partial groups are continued first
-            coord.prioritize(self._resume_partials)
+        if self.saved_partials:  # a preemption's partial groups are continued first
+            coord.prioritize(self.saved_partials.left())
         buffer.on_skip = self.schedule.skip
         self._coord, self._buffer = coord, buffer
         if self.stop_reason is not None:  # asked to stop while the run was being built
             return self._preempt(coord, buffer, summary)
-        rollout, engine, evaluator = self._make_rollout()
-        self._engine, self._evaluator = engine, evaluator
+        built = (self.task, self.tokenizer, self.tok_dir, self.run_dir, self.eval_problems)
+        self._rollout = parts = build.make_rollout(cfg, self.learner, self.place, *built)
+        rollout, engine, evaluator = parts.slots, parts.engine, parts.evaluator
+        self.param_server = parts.param_server  # vLLM hosts reload what it publishes
         if on_engine is not None:
             on_engine(engine)
         if self.restored is None:
@@ -492,14 +308,13 @@ class Trainer:
                 new = self.learner.version
                 t_sync = 0.0
                 if new % t.sync_every == 0 or new == t.total_updates:
-                    t_sync = self.publish(engine, new, coord, buffer)
+                    t_sync = self.publish(new, coord, buffer)
                 row, stale = update_row(groups, batch, met, version)
                 row.update(meter.row(t_wait, t_sync), **buffer.metrics(), **buffer.sampled())
                 row.update(engine_metrics(engine.stats()), **self.task.stats())
                 row["staleness/bound"] = float(self.eta)
                 row["coordinator/redispatched"] = float(coord.redispatched)
-                if self.remote:
-                    row["learner/restarts"] = float(self.learner.restarts)
+                row.update(self.learner.stats())
                 self.writer.log_histogram(version + 1, "staleness/tokens", stale)
                 evaluated = (t.eval_every and new % t.eval_every == 0) or new == t.total_updates
                 if evaluated:
@@ -520,7 +335,7 @@ class Trainer:
                 if new == t.total_updates:
                     self.wait_saved()
             except LearnerLost as e:
-                version = self._restart_learner(str(e), trained, engine, coord, buffer)
+                version = self._restart_learner(str(e), trained, coord, buffer)
                 continue
             version = new
         self.wait_saved()

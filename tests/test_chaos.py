@@ -463,7 +463,9 @@ def test_checkpoint_fake_enospc_fails_the_run_then_resume_skips_a_damaged_newest
 
     def arm(version, row):
         if version == s:
-            trainer.ckpt.wait()  # checkpoint s - 1 committed: only checkpoint s's write fails
+            # checkpoint s - 1 committed: only checkpoint s's write fails (the Checkpointer is
+            # the learner's own now: the trainer holds no checkpointer of its kind)
+            trainer.learner.ckpt.wait()
             armed.append(version)
             faults.at["enospc"] = time.monotonic()
 

@@ -165,7 +165,7 @@ def test_every_shipped_config_validates():
 
 
 def test_model_overrides_reach_the_model():
-    from rl.build import model_config
+    from rl.learner_setup import model_config
 
     cfg = C.load(
         None, ["model.overrides={hidden_size: 256, num_attention_heads: 8, num_hidden_layers: 3}"]

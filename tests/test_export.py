@@ -14,8 +14,8 @@ import yaml
 from launch import export as E
 from models import sharding as msh
 from rl import config as C
-from rl.build import model_config
 from rl.checkpoint import restore_params
+from rl.learner_setup import model_config
 from rl.trainer import Trainer, train
 
 pytestmark = pytest.mark.slow  # each test needs a trained run (module fixture)
@@ -95,7 +95,7 @@ def test_export_matches_learner_logits(run_dir, hf_dir):
         untrained = np.asarray(jax.device_get(init(tokens)), np.float32)
     finally:
         trainer.writer.close()
-        trainer.ckpt.close()
+        trainer.learner.ckpt.close()  # the learner holds its Checkpointer (learner contract)
     theirs = _torch_logits(hf_dir, tokens)
     assert ours.shape == theirs.shape == (2, 16, cfg_json["vocab_size"])
     # the trained weights (not the initial ones, not an all-zero head) are what was exported

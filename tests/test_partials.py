@@ -25,7 +25,7 @@ from rl.checkpoint import (
     load_partials,
     save_partials,
 )
-from rl.partials import PartialGroup, PartialSample
+from rl.partials import PartialGroup, PartialSample, SavedPartials
 from rl.rollout.base import SamplingParams
 from rl.rollout.jax_engine import JaxEngine
 from rl.tasks.longtail import LongTailTask
@@ -171,3 +171,28 @@ def test_halted_groups_come_back_partial_and_continue_after_their_tokens(tok, mo
             np.testing.assert_array_equal(e.versions[:n], s.versions)
             assert e.num_generated == BUDGET  # the whole budget, earlier tokens included
             assert (e.versions[n:] == 1).all() and len(e.tokens) > n
+
+
+def test_saved_partials_are_handed_out_once_and_the_rest_stay_saved():
+    """At resume each saved partial goes to one dispatch (of concurrent dispatcher threads) and
+    only once; the ones not handed out yet are what a new checkpoint keeps."""
+    parts = {g: PartialGroup(g, f"p{g}", 0, ()) for g in range(64)}
+    saved = SavedPartials(parts)
+    assert saved and saved.left() == parts
+    assert saved.take(3) is parts[3] and saved.take(3) is None and saved.take(99) is None
+    assert 3 not in saved.left() and len(saved.left()) == 63
+    got: list[int] = []
+
+    def take_all():
+        for g in range(64):
+            if saved.take(g) is not None:
+                got.append(g)
+
+    threads = [threading.Thread(target=take_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == [g for g in range(64) if g != 3]  # each exactly once
+    assert not saved and saved.left() == {}
+    assert not SavedPartials() and SavedPartials(None).left() == {}

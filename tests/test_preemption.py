@@ -58,10 +58,8 @@ def test_accounting_adds_up_and_a_rollout_late_to_return_counts_its_groups(tmp_p
     saved partial, and to start again add up to the dispatched groups; a rollout that did not
     return in time (the fake: its groups are simply never delivered) has its groups counted and
     named as starting again, their tokens lost."""
-    import types
-
+    from rl.metrics import log_preemption
     from rl.partials import PartialGroup
-    from rl.trainer import Trainer
 
     coord = Coordinator(2, 2)
     buf = GroupBuffer(coord)
@@ -77,10 +75,8 @@ def test_accounting_adds_up_and_a_rollout_late_to_return_counts_its_groups(tmp_p
     assert acc["consumed_ids"] == 3 and acc["buffered"] == [4]
     assert acc["partial"] == [3] and acc["restart"] == [5] and acc["stray_partials"] == []
 
-    run = types.SimpleNamespace(
-        learner=types.SimpleNamespace(version=1), stop_reason="SIGTERM", run_dir=str(tmp_path)
-    )
-    Trainer._account(run, buf, {}, returned=False)  # nothing came back: 3 and 5 start again
+    # the accounting moved from the trainer to rl.metrics.log_preemption (same record, same words)
+    log_preemption(str(tmp_path), buf, {}, version=1, reason="SIGTERM", returned=False)
     err = capsys.readouterr().err
     assert "2 to start again" in err and "numbers [3, 5]" in err, err
     with open(tmp_path / "preemptions.jsonl") as f:
@@ -93,18 +89,14 @@ def test_a_learner_rewind_sets_aside_the_lost_updates_dumps(tmp_path):
     """After a learner goes back to version c, the dumps of updates after c move to
     episodes/lost/ (named by the restart) instead of being overwritten by the repeated updates,
     so a group trained by a lost update and again later would show."""
-    import types
-
-    from rl.trainer import Trainer
+    from rl.metrics import set_aside_dumps
 
     episodes = tmp_path / "episodes"
     episodes.mkdir()
     for v in range(1, 5):
         (episodes / f"v{v:06d}.jsonl").write_text(f'{{"group": {v}, "index": 0}}\n')
-    run = types.SimpleNamespace(
-        episodes_dir=str(episodes), remote=True, learner=types.SimpleNamespace(restarts=2)
-    )
-    Trainer._set_aside_dumps(run, 2)
+    # moved from the trainer to rl.metrics.set_aside_dumps: after version 2, restart number 2
+    set_aside_dumps(str(episodes), 2, 2)
     assert sorted(p.name for p in episodes.glob("v*.jsonl")) == ["v000001.jsonl", "v000002.jsonl"]
     lost = sorted(p.name for p in (episodes / "lost").iterdir())
     assert lost == ["restart2-v000003.jsonl", "restart2-v000004.jsonl"]

@@ -1,6 +1,8 @@
 """Registries are the single source of names: a loss registered by a user's module, with its
 properties, is chosen from YAML, validated by the config and trained by the learner."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from models import create_model, make_mesh, tiny
 from rl import config as C
 from rl.algorithms import ADVANTAGES, LOSSES, register_advantage, register_loss
 from rl.algorithms import losses as L
+from rl.engines import ENGINES, engine_spec
 from rl.learner import Learner, StepConfig, make_batch
 from rl.tasks import TASKS, ArithmeticTask
 from rl.types import Episode
@@ -178,6 +181,8 @@ def test_unregistered_loss_is_rejected_again(tmp_path):
         ("algorithm:\n  loss: reinforce\n", "algorithm.loss", "reinforce", L.policy_losses),
         ("algorithm:\n  advantage: gae\n", "algorithm.advantage", "gae", lambda: ADVANTAGES),
         ("task:\n  name: sudoku\n", "task.name", "sudoku", lambda: TASKS),
+        # engines are named from their registry too (rl.engines), not a fixed list
+        ("rollout:\n  engine: sglang\n", "rollout.engine", "sglang", lambda: ENGINES),
         # a supervised loss is registered but is no algorithm.loss
         ("algorithm:\n  loss: sft\n", "algorithm.loss", "sft", L.policy_losses),
     ],
@@ -215,6 +220,62 @@ def test_user_advantage_and_task(monkeypatch):
         assert cfg.algorithm.advantage == "test_batch_baseline" and cfg.task.name == "test_arith"
     finally:
         ADVANTAGES.pop("test_batch_baseline", None)
+
+
+USER_MODULE = """
+import dataclasses
+from typing import ClassVar
+
+from rl.engines import jax_local, jax_worker, jax_worker_options, register_engine
+from rl.tasks import ArithmeticTask, register_task
+
+
+@register_task
+@dataclasses.dataclass(frozen=True)
+class EchoTask(ArithmeticTask):
+    name: ClassVar[str] = "test_echo"
+
+
+register_engine(
+    "test_engine", local=jax_local, worker=jax_worker, worker_options=jax_worker_options
+)
+"""
+
+
+def test_user_task_and_engine_registered_by_an_imported_module(tmp_path, monkeypatch):
+    """A module named in `imports` registers a task and an engine: both names are then valid
+    in the config, the engine builds through its spec, and an unknown engine name is an error
+    naming the key, the value and every registered name."""
+    (tmp_path / "my_registrations.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = C.load(
+            None,
+            ["imports=[my_registrations]", "task.name=test_echo", "rollout.engine=test_engine"],
+        )
+        assert cfg.task.name == "test_echo" and cfg.rollout.engine == "test_engine"
+        assert engine_spec("test_engine").local.__name__ == "jax_local"
+        assert not engine_spec("test_engine").hf_weights
+        with pytest.raises(C.ConfigError) as info:
+            C.load(None, ["imports=[my_registrations]", "rollout.engine=sglang"])
+        assert str(info.value).startswith(
+            "rollout.engine: invalid value 'sglang'; valid: 'jax', 'vllm', 'test_engine'"
+        ), info.value
+        assert "rl.engines.register_engine" in str(info.value)
+        with pytest.raises(ValueError, match="already registered"):
+            from rl.engines import jax_local, jax_worker, jax_worker_options, register_engine
+
+            register_engine(
+                "jax", local=jax_local, worker=jax_worker, worker_options=jax_worker_options
+            )
+    finally:
+        TASKS.pop("test_echo", None)
+        ENGINES.pop("test_engine", None)
+        monkeypatch.delitem(sys.modules, "my_registrations", raising=False)
+    with pytest.raises(C.ConfigError, match="task.name: invalid value 'test_echo'"):
+        C.load(None, ["task.name=test_echo"])
+    with pytest.raises(ValueError, match="unknown rollout engine 'test_engine'; valid: jax, vllm"):
+        engine_spec("test_engine")
 
 
 # ---------------------------------------------------------------------------------------------

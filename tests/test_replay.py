@@ -11,9 +11,10 @@ from model_weights import randomize
 
 from models import create_model, tiny
 from rl import config as C
-from rl.replay import ReplayMismatch, compare_row, read_schedule, replay, segments
+from rl.replay import ReplayMismatch, compare_row, replay
 from rl.rollout.base import GenerationRequest, SamplingParams
 from rl.rollout.jax_engine import JaxEngine
+from rl.schedule import read_schedule, segments
 from rl.trainer import train
 from rl.types import Episode
 

@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from models.tokenizer import build_task_tokenizer, load_tokenizer
-from rl import build
 from rl import config as C
+from rl.learner_setup import make_learner, rl_step_cfg
 from rl.sft import warm_start, warm_start_run
 from rl.tasks import get_task
 
@@ -20,7 +20,7 @@ def _setup(tmp_path, *overrides):
     cfg = C.load(None, [*BASE, f"run_root={tmp_path}", *overrides])
     tok = load_tokenizer(build_task_tokenizer(os.path.join(tmp_path, "tok")))
     task = get_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
-    _, learner, ckpt = build.make_learner(
+    _, learner, ckpt = make_learner(
         cfg, tok.vocab_size, jax.devices(), os.path.join(tmp_path, "run")
     )
     ckpt.close()
@@ -36,9 +36,7 @@ def test_target_accuracy_ends_the_warm_start_at_the_first_check_that_reaches_it(
         calls.append(1)
         return next(seen)
 
-    summary, _ = warm_start(
-        learner, task, tok, cfg.sft, rl_step=build.rl_step_cfg(cfg), probe=probe
-    )
+    summary, _ = warm_start(learner, task, tok, cfg.sft, rl_step=rl_step_cfg(cfg), probe=probe)
     assert len(calls) == 3 and summary["sft/steps"] == 6
     assert summary["sft/probe_accuracy"] == 0.35 and learner.version == 0
 

@@ -168,6 +168,7 @@ def _plain_sync_losses(cfg, updates: int) -> list[dict]:
     from rl.agent import run_episodes
     from rl.algorithms.advantages import compute_advantages
     from rl.learner import make_batch
+    from rl.learner_setup import make_learner
     from rl.rollout.jax_engine import JaxEngine
     from rl.sft import warm_start_run
     from rl.tasks import get_task
@@ -175,7 +176,7 @@ def _plain_sync_losses(cfg, updates: int) -> list[dict]:
     tok = load_tokenizer(build_task_tokenizer(os.path.join(cfg.run_root, "plain-tok")))
     task = get_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
     B, n = cfg.rollout.prompts_per_update, cfg.rollout.group_size
-    _, learner, ckpt = build.make_learner(
+    _, learner, ckpt = make_learner(
         cfg, tok.vocab_size, jax.devices(), os.path.join(cfg.run_root, "plain")
     )
     ckpt.close()

@@ -57,7 +57,7 @@ def _config(*overrides: str) -> C.RunConfig:
 
 def _close(trainer: Trainer) -> None:
     trainer.writer.close()
-    trainer.ckpt.close()
+    trainer.learner.ckpt.close()  # the learner holds its Checkpointer (learner contract)
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +165,17 @@ def test_publish_from_checkpoint_reloads_the_learners_weights(served):
 
     # K learner updates (the supervised warm start), an Orbax checkpoint of them.
     warm_start_run(trainer.cfg, trainer.learner, trainer.task, trainer.tokenizer)
-    trainer.ckpt.save(K, trainer.learner.state, {"version": K})
-    trainer.ckpt.wait()  # the trainer's saves are asynchronous; the server reads it from disk
+    # the learner's own Checkpointer (the trainer holds none of its kind)
+    trainer.learner.ckpt.save(K, trainer.learner.state, {"version": K})
+    trainer.learner.ckpt.wait()  # the saves are asynchronous; the server reads it from disk
     learner_K = _learner_scores(trainer, seqs, ones)
     stale = _vllm_scores(url, seqs)
     d_stale = _max_diff(stale, learner_K)
 
     # Publication from the checkpoint; the host reloads it.
-    result = served.server.publish(K, {"vllm": engine}, checkpoint_dir=trainer.ckpt.directory)
+    result = served.server.publish(
+        K, {"vllm": engine}, checkpoint_dir=trainer.learner.ckpt.directory
+    )
     assert result.errors == {} and result.acks == {"vllm": K}, result
     assert _weight_version(url) == str(K) and engine.version == K
     d_reloaded = _max_diff(_vllm_scores(url, seqs), learner_K)

@@ -247,6 +247,7 @@ def run_once(
     over = _overrides(args, mode, partial, transport)
     cfg = C.load(None, over + [f"run_root={run_root}", name])
     trainer = Trainer(cfg)
+    remote = cfg.trainer.transport == "ray"  # the learner is an actor: no local traces
     engines: list = []
     timelines: list = []  # each engine's record_timeline() (--timeline)
     snaps: dict[int, dict] = {}
@@ -259,7 +260,7 @@ def run_once(
         if args.timeline and timelines[-1] is None:
             print("--timeline: the sampler runs in another process (needs --rollout-devices)")
         _warm_engine(engine, trainer, args)
-        if args.pack and not trainer.remote:
+        if args.pack and not remote:
             _warm_learner(trainer, args)
         if mode == "sync":  # the sampler alone, saturated: the ideal bound's generation time
             saturated.append(_saturated_s(engine, trainer, args))
@@ -268,13 +269,13 @@ def run_once(
         now = time.perf_counter()
         stats = engines[0].stats()
         pid = stats["pid"]  # an in-process engine's CPU time is not its own: n/a
-        learner_pid = trainer.learner.pid if trainer.remote else os.getpid()
+        learner_pid = trainer.learner.pid if remote else os.getpid()
         snaps[version] = dict(
             stats,
             now=now,
             learner_cpu=_cpu_seconds(learner_pid),
             rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
-            learner_traces=-1 if trainer.remote else getattr(trainer.learner, "traces", -1),
+            learner_traces=-1 if remote else getattr(trainer.learner, "traces", -1),
         )
         rows[version] = dict(row)
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from launch.benches.common import print_result
-from rl.param_server import fsync_path
+from models.hf import fsync_path
 
 PRESETS = ("tiny", "qwen2_0p5b")  # the publish bench's models (random init, float32)
 

@@ -3,10 +3,10 @@
 A LearnerActor is a process holding the sharded Learner (mesh, model, optimizer), its Orbax
 Checkpointer and the compiled steps. With learner.hosts = N there are N of them, one per bundle
 of a Ray placement group, joined by jax.distributed into one learner over one global mesh: they
-run every call in lockstep. RemoteLearner is the driver's handle with the Learner's interface
-(update, version, set_step_cfg, reset_optimizer) plus weights() (the flat numpy params put into
-the object store by process 0: one copy, shared by every reader) and save / restore of
-checkpoints, which the learner hosts write themselves. Training batches travel as numpy arrays
+run every call in lockstep. RemoteLearner is the driver's handle with the learner contract
+(rl.learner.LearnerHandle): update, weights() (the flat numpy params put into the object store by
+process 0: one copy, shared by every reader), save / restore of checkpoints, which the learner
+hosts write themselves, restart and close. Training batches travel as numpy arrays
 through the object store (every host reads the whole batch and places its own rows). While a
 call runs, each host is pinged (a ping has a thread of its own in the actor). A host that died
 raises LearnerActorDied; one that leaves a ping unanswered for trainer.ray.health_deadline_s, or
@@ -90,7 +90,7 @@ class LearnerActor:
         )
         import jax
 
-        from rl.build import make_learner
+        from rl.learner_setup import make_learner
 
         self.mesh, self.learner, self.ckpt = make_learner(
             cfg, self.vocab_size, jax.devices(), self.run_dir
@@ -119,15 +119,17 @@ class LearnerActor:
         }
 
     def restore(self):
-        """Loads the newest checkpoint: None if there is none, else (meta, packed groups)."""
-        from rl.build import restore_learner
+        """Loads the newest checkpoint: None if there is none, else (meta, packed groups,
+        packed partial groups or None)."""
+        from rl.partials import partials_to_arrays
         from rl.types import groups_to_arrays
 
-        restored = restore_learner(self.learner, self.ckpt)
+        restored = self.learner.restore()
         if restored is None:
             return None
-        meta, groups = restored
-        return meta, groups_to_arrays(list(groups.values()))
+        meta, groups, partials = restored
+        parts = partials_to_arrays(list(partials.values())) if partials else None
+        return meta, groups_to_arrays(list(groups.values())), parts
 
     def update(self, batch, minibatches: int) -> tuple[dict, int]:
         """One policy update; returns (metrics, the new version)."""
@@ -162,12 +164,15 @@ class LearnerActor:
         """Returns once the last checkpoint is committed (CheckpointError if it failed)."""
         self.ckpt.wait()
 
-    def save(self, step: int, meta: dict, packed: dict) -> None:
-        """Checkpoints the learner state with the driver's meta and buffered groups."""
+    def save(self, step: int, meta: dict, packed: dict, packed_partials=None) -> None:
+        """Checkpoints the learner state with the driver's meta, buffered and partial groups."""
+        from rl.partials import by_id, partials_from_arrays
         from rl.types import groups_from_arrays
 
         groups = {g.group_id: g for g in groups_from_arrays(packed)}
-        self.ckpt.save(step, self.learner.state, {**meta, "version": self.learner.version}, groups)
+        partials = None if packed_partials is None else by_id(partials_from_arrays(packed_partials))
+        meta = {**meta, "version": self.learner.version}
+        self.learner.save(step, meta, groups, partials)
 
     def close(self) -> None:
         """Waits for checkpoint writes in flight."""
@@ -175,8 +180,9 @@ class LearnerActor:
 
 
 class RemoteLearner:
-    """The driver's handle on the learner actors (one per learner host), with the Learner
-    interface the trainer uses; every call goes to every host, results come from host 0."""
+    """The driver's handle on the learner actors (one per learner host), with the learner
+    contract (rl.learner.LearnerHandle); every call goes to every host, results come from host 0.
+    With owns_ray it also shuts down the Ray cluster it started, at close."""
 
     def __init__(
         self,
@@ -192,6 +198,7 @@ class RemoteLearner:
         health_deadline_s: float = 30.0,
         pass_env: bool = True,
         max_restarts: int = 0,
+        owns_ray: bool = False,
     ):
         """pass_env: the learner gets this process's XLA_FLAGS and JAX_PLATFORMS (a local
         cluster); on a joined cluster it keeps its own node's. max_restarts: restart() calls
@@ -208,6 +215,7 @@ class RemoteLearner:
         self.pids, self.nodes = [-1] * n, [""] * n
         self.pid, self.node = -1, ""
         self.max_restarts, self.restarts = max_restarts, 0
+        self.owns_ray = owns_ray
         self.lost: list[str] = []  # why each restarted learner ended
         self.handles: list = []
         keys = ("XLA_FLAGS", "JAX_PLATFORMS") if pass_env else ()
@@ -249,7 +257,7 @@ class RemoteLearner:
 
     def restart(self, why: str):
         """Replaces learner hosts of which one died or hung by new ones on the newest valid
-        checkpoint: (meta, {group id: EpisodeGroup}) of it; the version goes back to its.
+        checkpoint: (meta, groups, partial groups) of it; the version goes back to its.
         Raises LearnerError past max_restarts, or if there is no checkpoint."""
         self._kill()  # a hung host must not hold its resources or delay close()
         if self.restarts >= self.max_restarts:
@@ -431,32 +439,52 @@ class RemoteLearner:
         return Weights(make_ref=lambda: self._all("weights")[0][0])
 
     def restore(self):
-        """(meta, {group id: EpisodeGroup}) of the newest checkpoint, or None; sets version."""
+        """(meta, {group id: EpisodeGroup}, {group id: PartialGroup}) of the newest checkpoint,
+        or None; sets version."""
+        from rl.partials import by_id, partials_from_arrays
         from rl.types import groups_from_arrays
 
         out = self._all("restore")[0]
         if out is None:
             return None
-        meta, packed = out
+        meta, packed, packed_partials = out
         self._version = meta["version"]
-        return meta, {g.group_id: g for g in groups_from_arrays(packed)}
+        partials = {} if packed_partials is None else by_id(partials_from_arrays(packed_partials))
+        return meta, {g.group_id: g for g in groups_from_arrays(packed)}, partials
 
-    def save(self, step: int, meta: dict, groups: dict) -> None:
-        """A checkpoint written by the learner hosts: state, `meta` and the buffered groups."""
+    def save(self, step: int, meta: dict, groups: dict, partials: dict | None = None) -> None:
+        """A checkpoint written by the learner hosts: state, `meta`, buffered and partial
+        groups."""
         import ray
 
+        from rl.partials import partials_to_arrays
         from rl.types import groups_to_arrays
 
         packed = ray.put(groups_to_arrays(list(groups.values())))
-        self._all("save", step, meta, packed)
+        parts = ray.put(partials_to_arrays(list(partials.values()))) if partials else None
+        self._all("save", step, meta, packed, parts)
 
     def wait_saved(self) -> None:
         """Returns once the learner's last checkpoint is committed; raises if it failed."""
         self._all("wait_saved")
 
-    def close(self) -> None:
-        """Waits for checkpoint writes, then ends the actors and their placement group.
-        Idempotent."""
+    def stats(self) -> dict[str, float]:
+        """The learner's counters for the update's metrics row: restarts so far."""
+        return {"learner/restarts": float(self.restarts)}
+
+    def close(self, failed: bool = False) -> None:
+        """Waits for checkpoint writes, then ends the actors and their placement group, and a
+        Ray cluster this learner started. Idempotent."""
+        import ray
+
+        try:
+            self._close_actors()
+        finally:
+            if self.owns_ray:
+                self.owns_ray = False
+                ray.shutdown()
+
+    def _close_actors(self) -> None:
         import ray
 
         if not self.handles:
@@ -473,3 +501,35 @@ class RemoteLearner:
             except Exception:  # noqa: BLE001 - the cluster is going down
                 pass
             self.group = None
+
+
+def remote_learner(cfg, run_dir: str, vocab_size: int, cores: tuple[int, ...] = ()):
+    """The run's learner actors (trainer.transport ray): joins trainer.ray.address, or starts a
+    local cluster that the learner shuts down at close; this process holds no model."""
+    import ray
+
+    from rl.ray.cluster import connect
+
+    r = cfg.trainer.ray
+    owns_ray = connect(
+        r.address, need_cpus=r.num_workers * r.worker_cpus + r.learner_cpus * cfg.learner.hosts
+    )
+    try:
+        return RemoteLearner(
+            cfg,
+            run_dir,
+            vocab_size,
+            cpus=r.learner_cpus,
+            gpus=r.learner_gpus,
+            cores=cores,
+            log_dir=os.path.join(os.path.abspath(run_dir), "logs"),
+            deadline_s=cfg.trainer.deadline_s,
+            health_deadline_s=r.health_deadline_s,
+            pass_env=owns_ray,  # a joined cluster's nodes keep their own environment
+            max_restarts=r.max_learner_restarts,
+            owns_ray=owns_ray,
+        )
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from rl import config as C
-from rl.build import vllm_engine_options, vllm_launch_options
+from rl.engines import engine_spec
 from rl.ray.cluster import connect, first_line
 from rl.ray.param_server import ParamServerActor
 from rl.ray.worker import RolloutActor
@@ -77,14 +77,15 @@ class WorkerPool:
         task: dict,
         tokenizer_dir: str,
         options: RayOptions,
+        engine: str = "jax",
         engine_kwargs: dict | None = None,
         call_deadline_s: float = 600.0,
-        vllm: dict | None = None,
+        hf: dict | None = None,
     ):
-        """vllm: the workers drive vLLM hosts instead of a JAX sampler: num_hosts per worker,
-        'launch' (VLLMHost.launch keywords), 'engine' (VLLMEngine keywords) and 'hf', the
-        parameter server's ParamServer options (weights_dir on a filesystem every node shares,
-        config, tokenizer_dir, keep, hf_overrides)."""
+        """engine: the registered rollout engine (rl.engines) each worker builds with
+        `engine_kwargs` (its worker_options). hf: the workers reload HF directories (vLLM
+        hosts) that the parameter server publishes with these ParamServer options (weights_dir
+        on a filesystem every node shares, config, tokenizer_dir, keep, hf_overrides)."""
         import ray
 
         self.options = options
@@ -92,8 +93,8 @@ class WorkerPool:
         self.call_deadline_s = call_deadline_s
         self.config = config
         self.task = dict(task)
-        self.engine_kwargs = dict(engine_kwargs or {})
-        self.vllm = {k: v for k, v in (vllm or {}).items() if k != "hf"} if vllm else None
+        self.engine, self.engine_kwargs = engine, dict(engine_kwargs or {})
+        self.hf_weights = hf is not None  # workers start from, and reload, published HF dirs
         self.tokenizer_files = {}
         for fname in sorted(os.listdir(tokenizer_dir)):
             path = os.path.join(tokenizer_dir, fname)
@@ -117,7 +118,7 @@ class WorkerPool:
         self.workers: list[_Worker] = []
         log = os.path.join(options.log_dir, "param-server.log") if options.log_dir else ""
         self.param_server = ray.remote(ParamServerActor).options(num_cpus=0, max_restarts=0)
-        self.param_server = self.param_server.remote(log, dict(vllm["hf"]) if vllm else None)
+        self.param_server = self.param_server.remote(log, dict(hf) if hf is not None else None)
         self.inflight: dict[int, list[int]] = {}  # slot -> group ids its worker is running
         self._updates: queue.Queue = queue.Queue()  # weight versions for the update thread
         self._updater: threading.Thread | None = None
@@ -126,7 +127,7 @@ class WorkerPool:
             self.param_server_pid = ray.get(
                 self.param_server.info.remote(), timeout=call_deadline_s
             )["pid"]
-            if self.vllm:  # vLLM workers start from the published HF directory of `version`
+            if self.hf_weights:  # workers start from the published HF directory of `version`
                 write = self.param_server.write.remote(version, [self.weights_ref])
                 self.weights_ref = ray.get(write, timeout=call_deadline_s)
             for i in range(options.num_workers):
@@ -165,10 +166,10 @@ class WorkerPool:
                 self.version,
                 self.task,
                 self.tokenizer_files,
+                self.engine,
                 self.engine_kwargs,
                 tuple(o.cores),
                 log,
-                self.vllm,
             )
         return _Worker(name, handle, log=log)
 
@@ -353,7 +354,7 @@ class WorkerPool:
         t0 = time.perf_counter()
         ref = Weights.of(weights).ref()
         t1 = time.perf_counter()
-        if not self.vllm:  # a replacement started from now on gets these weights (vLLM: the
+        if not self.hf_weights:  # a replacement started from now on gets these weights (HF: the
             with self._lock:  # directory the parameter server writes, once it is written)
                 self.weights_ref, self.version = ref, version
         handle = WeightUpdate(version)
@@ -382,7 +383,7 @@ class WorkerPool:
                     version, [ref], handles, deadline, health, starting
                 )
                 out = ray.get(call, timeout=deadline + 30)
-                while self.vllm:  # replacements started meanwhile on the previous directory
+                while self.hf_weights:  # replacements started meanwhile on the previous directory
                     with self._lock:
                         self.weights_ref, self.version = out["weights"][0], version
                         missed = [w for w in self.workers if w.handle not in handles]
@@ -473,7 +474,7 @@ class WorkerPool:
             return
         self._closed = True
         self._updates.put(None)
-        if self.vllm:  # stop the vLLM servers cleanly (a killed worker's die with it anyway)
+        if self.hf_weights:  # stop vLLM servers cleanly (a killed worker's die with it anyway)
             refs = [w.handle.shutdown.remote() for w in self.workers]
             ray.wait(refs, num_returns=len(refs), timeout=60)
         for w in self.workers:
@@ -497,7 +498,7 @@ def worker_pool(
 ) -> WorkerPool:
     """The run's rollout workers (trainer.ray, rollout.*) serving `weights` as `version`; a JAX
     sampler compiles what `warm` (build.warm_spec) says before serving."""
-    r, v = cfg.trainer.ray, cfg.rollout.vllm
+    r = cfg.trainer.ray
     opts = RayOptions(
         address=r.address,
         num_workers=r.num_workers,
@@ -508,22 +509,15 @@ def worker_pool(
         cores=tuple(cores),
         log_dir=os.path.abspath(os.path.join(run_dir, "logs")),
     )
-    vllm = None
-    if cfg.rollout.engine == "vllm":  # what each worker launches, and the HF publication
-        vllm = {
-            "num_hosts": v.num_hosts,
-            "launch": vllm_launch_options(cfg),
-            "engine": vllm_engine_options(cfg),
-            "hf": {
-                "weights_dir": os.path.join(os.path.abspath(run_dir), "weights"),
-                "config": model_config,
-                "tokenizer_dir": os.path.abspath(tokenizer_dir),
-                "keep": 3,
-                "hf_overrides": {
-                    "eos_token_id": tokenizer.eos_id,
-                    "pad_token_id": tokenizer.pad_id,
-                },
-            },
+    spec = engine_spec(cfg.rollout.engine)
+    hf = None
+    if spec.hf_weights:  # the parameter server's HF publication, on storage every node shares
+        hf = {
+            "weights_dir": os.path.join(os.path.abspath(run_dir), "weights"),
+            "config": model_config,
+            "tokenizer_dir": os.path.abspath(tokenizer_dir),
+            "keep": 3,
+            "hf_overrides": {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id},
         }
     return WorkerPool(
         weights,
@@ -536,12 +530,8 @@ def worker_pool(
         },
         tokenizer_dir=tokenizer_dir,
         options=opts,
-        engine_kwargs={
-            "max_batch": cfg.rollout.batch_size,
-            "deadline_s": cfg.trainer.deadline_s,
-            "update_mode": cfg.trainer.partial,
-            "warm": warm,
-        },
+        engine=spec.name,
+        engine_kwargs=spec.worker_options(cfg, warm),
         call_deadline_s=cfg.trainer.deadline_s,
-        vllm=vllm,
+        hf=hf,
     )

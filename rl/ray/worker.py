@@ -1,9 +1,10 @@
 """The rollout worker actor of the `ray` transport: one process with an engine, task, tokenizer.
 
-Its engine is a JaxEngine on the flat numpy params the parameter server sends, or a VLLMEngine
-over vLLM servers this worker launches on its node (they die with it) and reloads from the HF
-directories the parameter server writes. The worker pool (rl/ray/pool.py) starts, health-checks
-and replaces these actors; this module is what runs inside them.
+Its engine is the run's rollout.engine, built by the engine registry (rl/engines.py): a
+JaxEngine on the flat numpy params the parameter server sends, or a VLLMEngine over vLLM servers
+this worker launches on its node (they die with it), reloading the HF directories the parameter
+server writes. The worker pool (rl/ray/pool.py) starts, health-checks and replaces these
+actors; this module is what runs inside them.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import os
 import time
 
 from rl.distributed import redirect_output
+from rl.engines import engine_spec
 from rl.placement import pin_threads
 
 
 class RolloutActor:
-    """A rollout worker process: a JaxEngine plus the task and tokenizer; runs whole groups.
+    """A rollout worker process: an engine plus the task and tokenizer; runs whole groups.
 
     Wrapped with ray.remote by the WorkerPool (threaded: pings, aborts and weight updates are
     answered while a rollout generates).
@@ -26,46 +28,37 @@ class RolloutActor:
         self,
         name: str,
         model_config,
-        weights: dict,
+        weights,
         version: int,
         task: dict,
         tokenizer_files: dict[str, bytes],
-        engine_kwargs: dict,
+        engine: str,
+        engine_options: dict,
         cores: tuple[int, ...] = (),
         log_path: str = "",
-        vllm: dict | None = None,
     ):
+        """engine: a registered rollout engine (rl.engines), built by its `worker` builder
+        with `engine_options` on `weights` (flat numpy params, or a published HF directory)."""
         self.name, self.log_path = name, log_path
         redirect_output(log_path)
         if cores:  # before JAX initialises its backend (XLA sizes its pool from the mask)
             pin_threads(cores)
         import tempfile
 
-        import jax
-        from flax import nnx
-
-        from models.params import abstract_params, fill_params
         from models.tokenizer import load_tokenizer
         from rl import config as C
-        from rl.rollout.jax_engine import JaxEngine
         from rl.tasks import make_task
 
-        self.hosts = []  # the vLLM servers this worker launched (they die with it)
-        if vllm is not None:  # vLLM hosts on this node; `weights` is a published HF directory
-            self.engine = _launch_vllm(name, weights, version, vllm, log_path)
-            self.hosts = self.engine.hosts
-        else:  # a JAX sampler; `weights` are flat numpy params from the object store
-            graphdef, template = abstract_params(model_config)
-            device = jax.devices()[0]
-            params = jax.tree.map(
-                lambda x: jax.device_put(x, device), fill_params(template, weights)
-            )
-            self.engine = JaxEngine(nnx.merge(graphdef, params), version=version, **engine_kwargs)
+        C.import_modules(task["imports"])  # the user's registered tasks, rewards and engines
+        build = engine_spec(engine).worker
+        # hosts: the servers this worker launched (vLLM; they die with it)
+        self.engine, self.hosts = build(
+            name, model_config, weights, version, engine_options, log_path
+        )
         tok_dir = tempfile.mkdtemp(prefix=f"tandem-{name}-tok-")
         for fname, data in tokenizer_files.items():
             with open(os.path.join(tok_dir, fname), "wb") as f:
                 f.write(data)
-        C.import_modules(task["imports"])  # the user's registered tasks and rewards
         section = C.build_section(C.TaskSection, task["section"], "task")
         self.task = make_task(
             section, load_tokenizer(tok_dir), preset=task["preset"], imports=task["imports"]
@@ -151,24 +144,3 @@ class RolloutActor:
         """Closes the engine (a vLLM worker stops its servers) before the actor is killed."""
         self.closing = True
         self.engine.close()
-
-
-def _launch_vllm(name: str, path: str, version: int, opts: dict, log_path: str):
-    """A VLLMEngine over opts['num_hosts'] vLLM servers launched here, serving `path`.
-
-    The servers die with this process (PR_SET_PDEATHSIG): a killed worker leaves no orphan.
-    """
-    import tempfile
-
-    from rl.rollout.vllm import launch_engine
-
-    log_dir = os.path.dirname(log_path) if log_path else tempfile.gettempdir()
-    logs = [os.path.join(log_dir, f"{name}-vllm-{i}.log") for i in range(opts["num_hosts"])]
-    return launch_engine(
-        path,
-        logs,
-        version=version,
-        launch=opts["launch"],
-        engine=opts["engine"],
-        die_with_parent=True,
-    )

@@ -1,7 +1,9 @@
 """Tasks by name: prompts, rewards, demonstrations and multi-turn environment steps.
 
-`register_task` adds a task class from any module (the run's `imports` load the user's), so a
-new task needs no edit here; `make_task` builds the run's task for its tokenizer.
+`register_task` (rl/tasks/base.py) adds a task class from any module: each built-in task's module
+registers its own, and the run's `imports` load the user's, so a new task needs no edit here;
+the config's task.name is checked against the registry. `make_task` builds the run's task for
+its tokenizer.
 """
 
 from __future__ import annotations
@@ -9,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 from rl.tasks.arithmetic import ArithmeticTask
-from rl.tasks.base import Problem, RewardResult
+from rl.tasks.base import TASKS, Problem, RewardResult, register_task
 from rl.tasks.calculator import CalculatorTask
 from rl.tasks.chat import ChatTask, TaskTokenError, chat_enabled
 from rl.tasks.countdown import CountdownTask
 from rl.tasks.dataset import DataError, DatasetTask
 from rl.tasks.longtail import LongTailTask
-
-TASKS: dict[str, type] = {}
 
 __all__ = [
     "TASKS",
@@ -34,22 +34,6 @@ __all__ = [
     "make_task",
     "register_task",
 ]
-
-
-def register_task(cls: type) -> type:
-    """Class decorator: registers a task class under its `name` (see rl.tasks.base for what a
-    task provides); a second class under a taken name is an error."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_task: {cls!r} needs a class attribute `name` (a string)")
-    if TASKS.get(name, cls) is not cls:
-        raise ValueError(f"register_task: task {name!r} is already {TASKS[name]!r}, not {cls!r}")
-    TASKS[name] = cls
-    return cls
-
-
-for _cls in (ArithmeticTask, CountdownTask, CalculatorTask, LongTailTask, DatasetTask):
-    register_task(_cls)
 
 
 def get_task(name: str, **kwargs):

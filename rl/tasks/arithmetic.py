@@ -16,6 +16,7 @@ from rl.tasks.base import (
     check_common,
     extract_answer,
     parse_int,
+    register_task,
     sample_problems,
     score,
     unit_hash,
@@ -30,6 +31,7 @@ def operand_range(digits: int) -> tuple[int, int]:
     return (0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
+@register_task
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
     """a OP b with `digits`-digit operands, OP drawn uniformly from `ops`."""

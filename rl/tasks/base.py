@@ -31,6 +31,20 @@ MAX_ANSWER_CHARS = 200
 SPLITS = ("train", "eval")
 _INT_RE = re.compile(r"-?[0-9]{1,60}")  # ASCII digits only (str.isdigit accepts other scripts)
 
+TASKS: dict[str, type] = {}  # name -> task class: task.name is valid once its class registers
+
+
+def register_task(cls: type) -> type:
+    """Class decorator: registers a task class under its `name` (see above for what a task
+    provides); a second class under a taken name is an error."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_task: {cls!r} needs a class attribute `name` (a string)")
+    if TASKS.get(name, cls) is not cls:
+        raise ValueError(f"register_task: task {name!r} is already {TASKS[name]!r}, not {cls!r}")
+    TASKS[name] = cls
+    return cls
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:

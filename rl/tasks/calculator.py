@@ -23,6 +23,7 @@ from rl.tasks.base import (
     extract_answer,
     extract_tagged,
     parse_int,
+    register_task,
     sample_problems,
     score,
 )
@@ -41,6 +42,7 @@ def tool_response(expression: str) -> str:
     return f"{TOOL_RESPONSE_OPEN}{body}{TOOL_RESPONSE_CLOSE}"
 
 
+@register_task
 @dataclasses.dataclass(frozen=True)
 class CalculatorTask:
     """a*b+c with operands of min_digits..max_digits digits; up to max_turns model turns."""

@@ -16,6 +16,7 @@ from rl.tasks.base import (
     as_tuple,
     check_common,
     extract_answer,
+    register_task,
     sample_problems,
     score,
 )
@@ -61,6 +62,7 @@ def _key(meta: dict) -> str:
     return f"{sorted(meta['numbers'])}->{meta['target']}"
 
 
+@register_task
 @dataclasses.dataclass(frozen=True)
 class CountdownTask:
     """Given 3-4 numbers and a target, write an equation with + - * / ( ) equal to the target."""

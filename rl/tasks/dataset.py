@@ -21,7 +21,7 @@ import sys
 from typing import Any, ClassVar
 
 from rl.config_rules import ConfigError
-from rl.tasks.base import Problem, RewardResult, as_tuple, unit_hash
+from rl.tasks.base import Problem, RewardResult, as_tuple, register_task, unit_hash
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 ANSWER_FIELDS = ("answer", "reward_model.ground_truth")  # tried in order when answer_field is ""
@@ -144,6 +144,7 @@ def check_row(row: dict, where: str, task: DatasetTask, answer_field: str) -> Ro
     )
 
 
+@register_task
 @dataclasses.dataclass(frozen=True)
 class DatasetTask:
     """Prompts and answers from JSONL / Parquet files, scored by rl.rewards."""

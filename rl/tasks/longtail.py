@@ -16,7 +16,7 @@ import random
 from typing import ClassVar
 
 from rl.tasks.arithmetic import operand_range
-from rl.tasks.base import Problem, RewardResult, check_common, sample_problems
+from rl.tasks.base import Problem, RewardResult, check_common, register_task, sample_problems
 from rl.tasks.expr import twin_key
 
 
@@ -25,6 +25,7 @@ def pareto_budget(rng: random.Random, alpha: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, round(lo * rng.paretovariate(alpha)))))
 
 
+@register_task
 @dataclasses.dataclass(frozen=True)
 class LongTailTask:
     """'a+b=' prompts with per-problem Pareto(alpha) generation budgets in [min, max] tokens."""
