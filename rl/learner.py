@@ -415,6 +415,15 @@ class Learner:
         )
 
     # -- public ---------------------------------------------------------------------------
+    def program_key(self, batch: TrainBatch) -> tuple:
+        """What selects the compiled update program for `batch`: its packed shape, and with
+        cuDNN attention its segment count (a shape there too)."""
+        arrays = batch.arrays()
+        key = tuple(arrays["inputs"].shape)
+        if self._native_segments and "segment_ids" in arrays:
+            key += tuple(segment_lengths(arrays["segment_ids"]).shape)
+        return key
+
     def _device_batch(self, batch: TrainBatch | dict) -> dict:
         """The batch on the mesh. Every process holds the whole host batch (the trainer's, or
         the object store's copy on each learner host) and places only its devices' rows: the

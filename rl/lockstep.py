@@ -191,6 +191,15 @@ class Leader:
         self._changes = 0  # calls that may have changed the params
         self._host = None  # (changes, host params) of the last gather
 
+    @property
+    def traces(self) -> int:
+        """This host's learner programs traced (every host traces the same)."""
+        return self.learner.traces
+
+    def program_key(self, batch) -> tuple:
+        """What selects the compiled update program for `batch` (Learner.program_key)."""
+        return self.learner.program_key(batch)
+
     def lockstep(self, method: str, fn, *args, collective: bool = False):
         """fn() here after publishing method(*args) for the other hosts. A collective call that
         returns has been read by every host; one that lost a host leaves the group broken."""

@@ -174,7 +174,6 @@ def _warm_learner(trainer, args) -> None:
     of the window's size drawn from the task's lengths, each distinct shape once."""
     import numpy as np
 
-    from models.attention import segment_lengths
     from rl import build
     from rl.learner import train_batch
     from rl.types import Episode
@@ -193,9 +192,7 @@ def _warm_learner(trainer, args) -> None:
         batch = train_batch(
             eps, np.zeros(len(eps)), row_len=row_len, pack=True, unit=unit, rows=len(eps)
         )
-        shape = batch.arrays()["inputs"].shape
-        if getattr(learner, "_native_segments", False):  # cuDNN: the segment count is a shape
-            shape += segment_lengths(batch.arrays()["segment_ids"]).shape
+        shape = learner.program_key(batch)
         if shape not in seen:
             seen.add(shape)
             learner.warm(batch, minibatches=cfg.learner.minibatches)
@@ -275,7 +272,7 @@ def run_once(
             now=now,
             learner_cpu=_cpu_seconds(learner_pid),
             rollout_cpu=_cpu_seconds(pid) if pid != os.getpid() else float("nan"),
-            learner_traces=-1 if remote else getattr(trainer.learner, "traces", -1),
+            learner_traces=-1 if remote else trainer.learner.traces,
         )
         rows[version] = dict(row)
 

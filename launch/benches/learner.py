@@ -282,7 +282,7 @@ def _learner_breakdown(learner, batch, chunk: int, fl: LearnerFlops, step_s: flo
 
     from rl.logprobs import token_logprobs
 
-    arrays = batch.arrays() if hasattr(batch, "arrays") else dict(batch)
+    arrays = dict(batch) if isinstance(batch, dict) else batch.arrays()
     arrays.pop("versions", None)
     b = jax.device_put(arrays, jax.devices()[0])
     model = learner.model
