@@ -299,6 +299,26 @@ class RaySection:
 
 
 @dataclasses.dataclass
+class AdaptiveSection:
+    enabled: bool = F(
+        False,
+        "set the staleness bound eta online from the drift measured on the updates just trained "
+        "(trainer.mode async; trainer.max_staleness is where eta starts); false: eta is fixed",
+    )
+    floor: int = F(0, "lowest eta the controller sets")
+    ceiling: int = F(16, "highest eta the controller sets")
+    signal: Literal["kl", "ess", "clip"] = F(
+        "kl",
+        "the drift read: kl = KL(behaviour || proximal) of the trained tokens (loss/drift_kl), "
+        "ess = 1 - the importance weights' normalised effective sample size (loss/drift_ess), "
+        "clip = the PPO clip fraction",
+    )
+    low: float = F(0.002, "drift under this over a window: eta + 1")
+    high: float = F(0.01, "drift over this over a window: eta halved")
+    window: int = F(4, "updates whose mean drift makes one decision")
+
+
+@dataclasses.dataclass
 class TrainerSection:
     mode: Literal["sync", "one_step_off", "async"] = F(
         "sync", "how generation and training overlap"
@@ -307,6 +327,7 @@ class TrainerSection:
     max_staleness: int = F(
         0, "eta: max versions between a token's policy and the update training it"
     )
+    adaptive: AdaptiveSection = sub(AdaptiveSection, "adaptive staleness (trainer.mode async)")
     sync_every: int = F(1, "publish weights to the rollout engines every this many updates")
     partial: Literal["drain", "continue", "inflight"] = F(
         "drain",

@@ -96,6 +96,7 @@ def check(cfg) -> None:
             f"{eta} (trainer.mode {cfg.trainer.mode!r}): weights published every k updates are "
             f"up to k-1 versions stale, so sync_every must be <= {eta + 1}"
         )
+    _check_adaptive(cfg)
     _check_model_overrides(cfg)
     if cfg.model.init == "hf" and not cfg.model.path:
         raise ConfigError("model.path: missing; required when model.init is 'hf'")
@@ -310,4 +311,49 @@ def _check_device_split(cfg) -> None:
             f"trainer.learner_devices: {t.learner_devices} ({len(t.learner_devices)} devices) "
             f"but learner.mesh {m.data}x{m.fsdp}x{m.tensor} uses {n}; the mesh must use every "
             "learner device (data * fsdp * tensor = their number)"
+        )
+
+
+def _check_adaptive(cfg) -> None:
+    """trainer.adaptive: an async run, bounds around the starting eta, a signal the loss
+    measures, and a stale policy that never discards what a lowered bound leaves behind."""
+    from rl.algorithms import needs_proximal
+
+    t, a = cfg.trainer, cfg.trainer.adaptive
+    if not a.enabled:
+        return
+    if t.mode != "async":
+        raise ConfigError(
+            f"trainer.adaptive.enabled: invalid value true with trainer.mode {t.mode!r}; "
+            "adaptive staleness needs mode 'async'"
+        )
+    if not 0 <= a.floor <= t.max_staleness <= a.ceiling:
+        raise ConfigError(
+            f"trainer.max_staleness: invalid value {t.max_staleness} with trainer.adaptive floor "
+            f"{a.floor} and ceiling {a.ceiling}; need 0 <= floor <= max_staleness (where eta "
+            "starts) <= ceiling"
+        )
+    if t.sync_every - 1 > a.floor:
+        raise ConfigError(
+            f"trainer.adaptive.floor: invalid value {a.floor} with trainer.sync_every "
+            f"{t.sync_every}; weights published every k updates are up to k-1 versions stale, "
+            f"so the floor must be >= {t.sync_every - 1}"
+        )
+    if not 0 <= a.low < a.high:
+        raise ConfigError(
+            f"trainer.adaptive.low: invalid value {a.low} with high {a.high}; need 0 <= low < high"
+        )
+    if a.window < 1:
+        raise ConfigError(f"trainer.adaptive.window: invalid value {a.window}; must be >= 1")
+    if t.stale_policy != "keep":
+        raise ConfigError(
+            f"trainer.stale_policy: invalid value {t.stale_policy!r} with trainer.adaptive; "
+            "'drop' would discard finished groups a lowered bound leaves behind: use 'keep'"
+        )
+    al = cfg.algorithm
+    if a.signal in ("kl", "ess") and not needs_proximal(al.loss, al.is_correction):
+        raise ConfigError(
+            f"trainer.adaptive.signal: invalid value {a.signal!r} with algorithm.loss "
+            f"{al.loss!r} and is_correction {al.is_correction!r}: the drift needs proximal "
+            "log-probs (a loss such as decoupled_ppo, or an is_correction); use signal 'clip'"
         )

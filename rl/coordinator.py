@@ -39,9 +39,11 @@ class Coordinator:
         start_group: int = 0,
         published_version: int = 0,
         total_groups: int | None = None,
+        controller=None,
     ):
         self.B = groups_per_update
         self.eta = max_staleness
+        self.controller = controller  # rl.staleness.EtaController: eta set online, or fixed
         self.next_group = start_group
         self.published_version = published_version
         self.total_groups = total_groups
@@ -107,6 +109,23 @@ class Coordinator:
             self.published_version = min(self.engine_versions.values())
             self._cond.notify_all()
 
+    def set_eta(self, eta: int) -> None:
+        """A new bound for the admissions that follow (adaptive staleness). Lowering it pauses
+        admission until the published version catches up; groups already admitted keep the
+        bound they were admitted under, and nothing finished is discarded."""
+        with self._cond:
+            self.eta = eta
+            self._cond.notify_all()
+
+    def adapt(self, row: dict) -> dict:
+        """After an update: the bound its row reports, and with a controller the bound it sets
+        from the row's drift for the admissions that follow (staleness/eta)."""
+        out = {"staleness/bound": float(self.eta)}
+        if self.controller is not None:
+            self.set_eta(self.controller.observe(row))
+            out["staleness/eta"] = float(self.eta)
+        return out
+
     def stop(self) -> None:
         """Wakes every waiter; admit() returns [] from now on."""
         with self._cond:
@@ -119,11 +138,14 @@ class Coordinator:
         GroupBuffer.from_state re-dispatches every group that was in flight, requeued included.
         """
         with self._cond:
-            return {
+            out = {
                 "dispatched": self.next_group,
                 "freed": self.freed,
                 "redispatched": self.redispatched,
             }
+            if self.controller is not None:
+                out["eta_control"] = self.controller.state()
+            return out
 
     @classmethod
     def from_state(
@@ -134,16 +156,21 @@ class Coordinator:
         max_staleness: int,
         published_version: int = 0,
         total_groups: int | None = None,
+        controller=None,
     ) -> Coordinator:
         """The coordinator of a checkpoint's state() ({}: a fresh one). Give it, with the
         checkpoint's buffer state and groups, to GroupBuffer.from_state, which queues the groups
         that were in flight for dispatch."""
+        if controller is not None:  # an adaptive run continues with the eta it had reached
+            controller.restore(state.get("eta_control", {}))
+            max_staleness = controller.eta
         c = cls(
             groups_per_update,
             max_staleness,
             start_group=int(state.get("dispatched", 0)),
             published_version=published_version,
             total_groups=total_groups,
+            controller=controller,
         )
         c.freed = int(state.get("freed", 0))
         c.redispatched = int(state.get("redispatched", 0))

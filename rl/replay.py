@@ -14,6 +14,7 @@ import os
 import tempfile
 
 from rl import config as C
+from rl import staleness
 from rl.schedule import digest, read_schedule, segments
 from rl.types import EpisodeGroup
 
@@ -149,6 +150,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
             weights[version] = Weights(flat=learner.weights().flat())
 
     compared = 0
+    controller, eta = staleness.from_config(cfg), build.effective_eta(cfg)
     try:
         keep(learner.version)
         train_problems = task.problems("train", 64)
@@ -190,7 +192,12 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
             if learner.version != v_new:
                 raise ReplayMismatch(f"update made version {learner.version}, run {v_new}")
             row, _ = update_row(groups, batch, met, version)
-            row["staleness/bound"] = float(build.effective_eta(cfg))
+            row["staleness/bound"] = float(eta)
+            if controller is not None:  # the decision again, from the replayed drift
+                eta = controller.observe(row)
+                row["staleness/eta"] = float(eta)
+            if s.get("eta", eta) != eta:
+                raise ReplayMismatch(f"update {v_new}: staleness bound {eta}, run {s['eta']}")
             if s["eval"]:
                 engine.update_weights(v_new, learner.weights())
                 row.update(evaluate(engine, task, tokenizer, eval_problems, greedy))

@@ -1,7 +1,8 @@
 """The schedule an async run records for an exact replay (rl/replay.py re-runs it).
 
 The trainer writes run_dir/schedule.jsonl, one JSON object a line: {"start": v, "eval": true}
-first, then per update {"update": v (the new version), "eval": bool, "trained": [group, ...],
+first, then per update {"update": v (the new version), "eval": bool, "eta": the staleness
+bound after it (fixed, or set by adaptive staleness), "trained": [group, ...],
 "skipped": [group, ...]}, where a group is {"group", "problem", "dispatch_version", "seeds",
 "why" (skipped: filtered, dropped or lost), "episodes": [{"segments": [[turn, version,
 tokens], ...], "digest"}]}: each episode's generated spans (a turn split where a weight update
@@ -91,11 +92,13 @@ class ScheduleWriter:
         """A group consumed without training (filtered, dropped or lost)."""
         self.skipped.append(group_record(g, self.seeds(g.group_id), why))
 
-    def update(self, version: int, groups: list[EpisodeGroup], evaluated: bool) -> None:
-        """The update that made `version`: the groups it trained, in order."""
+    def update(self, version: int, groups: list[EpisodeGroup], evaluated: bool, eta: int) -> None:
+        """The update that made `version`: the groups it trained, in order, and the staleness
+        bound the admissions after it run under."""
         trained = [group_record(g, self.seeds(g.group_id)) for g in groups]
         skipped, self.skipped = self.skipped, []
-        self._write({"update": version, "eval": evaluated, "trained": trained, "skipped": skipped})
+        rec = {"update": version, "eval": evaluated, "eta": eta}
+        self._write({**rec, "trained": trained, "skipped": skipped})
 
     def rewind(self, version: int) -> None:
         """A learner restart went back to `version`: a replay cannot follow it."""

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from rl import build, metrics, placement
+from rl import build, metrics, placement, staleness
 from rl import config as C
 from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
@@ -250,6 +250,7 @@ class Trainer:
             groups_per_update=self.B,
             max_staleness=self.eta,
             published_version=start,
+            controller=staleness.from_config(cfg),
         )
         buffer = GroupBuffer.from_state(
             coord,
@@ -312,7 +313,7 @@ class Trainer:
                 row, stale = update_row(groups, batch, met, version)
                 row.update(meter.row(t_wait, t_sync), **buffer.metrics(), **buffer.sampled())
                 row.update(engine_metrics(engine.stats()), **self.task.stats())
-                row["staleness/bound"] = float(self.eta)
+                row.update(coord.adapt(row))  # the bound, and an adaptive run's next one
                 row["coordinator/redispatched"] = float(coord.redispatched)
                 row.update(self.learner.stats())
                 self.writer.log_histogram(version + 1, "staleness/tokens", stale)
@@ -321,7 +322,7 @@ class Trainer:
                     if evaluator is not engine:
                         evaluator.update_weights(new, self.learner.weights()).wait(t.deadline_s)
                     row.update(self.evaluate(evaluator, sampled=new == t.total_updates))
-                self.schedule.update(new, groups, bool(evaluated))
+                self.schedule.update(new, groups, bool(evaluated), coord.eta)
                 if on_update is not None:
                     on_update(new, row)
                 self.writer.log(new, new, row)

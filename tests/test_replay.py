@@ -113,3 +113,42 @@ def test_async_run_replays_bit_for_bit(tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in rows)
     with pytest.raises(ReplayMismatch, match="step 1: loss/pg_loss"):
         replay(tampered, str(tmp_path / "work2"))
+
+
+@pytest.mark.slow
+def test_adaptive_staleness_run_replays_bit_for_bit(tmp_path):
+    """An adaptive-staleness run: the bound it sets from the measured drift is in the metrics
+    (staleness/eta) and the schedule, and the replay makes the same decisions from the replayed
+    rows; a recorded bound that differs is named."""
+    adaptive = [
+        "algorithm.loss=decoupled_ppo",  # its proximal log-probs give the drift
+        "trainer.total_updates=4",
+        "trainer.adaptive.enabled=true",
+        "trainer.adaptive.ceiling=4",
+        "trainer.adaptive.low=0.0",
+        "trainer.adaptive.high=1e-9",  # any measured drift halves eta: 2, 1, 0
+        "trainer.adaptive.window=1",
+    ]
+    cfg = C.load(None, [*RUN, *adaptive, f"run_root={tmp_path}", "name=adaptive"])
+    train(cfg)
+    run = os.path.join(tmp_path, "adaptive")
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f][1:]
+    etas = [r["staleness/eta"] for r in rows]
+    assert etas[0] < 2 and len(set(etas)) > 1, etas  # the bound moved during the run
+    assert [r["staleness/bound"] for r in rows[1:]] == etas[:-1]  # each update's bound in force
+    schedule = [s for s in read_schedule(run) if "update" in s]
+    assert [s["eta"] for s in schedule] == etas
+    assert replay(run, str(tmp_path / "work")) == 5
+
+    tampered = str(tmp_path / "tampered")
+    shutil.copytree(run, tampered, ignore=shutil.ignore_patterns("checkpoints"))
+    path = os.path.join(tampered, "schedule.jsonl")
+    with open(path) as f:
+        lines = [json.loads(line) for line in f]
+    first = next(s for s in lines if "update" in s)
+    first["eta"] += 1
+    with open(path, "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in lines)
+    with pytest.raises(ReplayMismatch, match="update 1: staleness bound"):
+        replay(tampered, str(tmp_path / "work2"))

@@ -178,6 +178,9 @@ class Record:
     tokens: int = 0
     coord: Coordinator | None = None
     buffer: GroupBuffer | None = None
+    admitted_eta: dict = dataclasses.field(default_factory=dict)  # group -> eta at its admission
+    etas: list = dataclasses.field(default_factory=list)  # the bounds set during the run
+    eta_at: dict = dataclasses.field(default_factory=dict)  # update k -> the bound when trained
 
 
 def check_batch(rec: Record, k: int, groups: list[EpisodeGroup]) -> None:
@@ -188,16 +191,17 @@ def check_batch(rec: Record, k: int, groups: list[EpisodeGroup]) -> None:
         assert len(g.episodes) == rec.n and {e.problem_id for e in g.episodes} == {
             f"p{g.group_id}"
         }, f"group {g.group_id} split or mixed"
+        eta = rec.admitted_eta.get(g.group_id, rec.eta)  # the bound it was admitted under
         for e in g.episodes:
             v = e.versions[e.loss_mask > 0]
             s = k - v
-            assert s.min() >= 0 and s.max() <= rec.eta, (
+            assert s.min() >= 0 and s.max() <= eta, (
                 f"group {g.group_id} trained at update {k}: token versions {sorted(set(v))}, "
-                f"staleness {s.min()}..{s.max()} outside [0, eta={rec.eta}]"
+                f"staleness {s.min()}..{s.max()} outside [0, eta={eta}]"
             )
             rec.staleness.update(s.tolist())
             rec.tokens += len(v)
-        if rec.eta == 0 and rec.sync_every == 1:
+        if eta == 0 and rec.sync_every == 1:
             assert g.dispatch_version == k, (
                 f"eta=0, sync_every=1 not synchronous: group {g.group_id} dispatched at "
                 f"version {g.dispatch_version}, trained at update {k}"
@@ -273,6 +277,7 @@ class Sim:
     B: int = 4
     n: int = 4
     p_zero: float | None = None  # zero-advantage probability (None: drawn)
+    eta_range: tuple[int, int] | None = None  # (floor, ceiling): eta changes between updates
 
 
 def simulate(sim: Sim) -> Record:
@@ -313,6 +318,7 @@ def simulate(sim: Sim) -> Record:
                 continue
             for gid, v in coord.admit(free, timeout=0.01):
                 assert v == coord.published_version
+                rec.admitted_eta.setdefault(gid, coord.eta)  # a requeued group keeps its own
                 lat = tok_time * (1 + np.minimum(rng.pareto(1.5, size=sim.n), 20))  # long tail
                 lens = np.minimum(1 + rng.pareto(1.2, size=sim.n) * 4, 200).astype(int)
                 eps = [(now + lens[i] * lat[i], lens[i]) for i in range(sim.n)]
@@ -324,6 +330,7 @@ def simulate(sim: Sim) -> Record:
     def train(now, groups):
         if isinstance(groups, BaseException):
             raise groups
+        rec.eta_at[version] = coord.eta
         check_batch(rec, version, groups)
         sync = (version + 1) % sim.sync_every == 0
         push(now + train_time * rng.uniform(0.8, 1.2) + sync * sync_time, "update", sync)
@@ -380,6 +387,9 @@ def simulate(sim: Sim) -> Record:
                 if p:
                     coord.publish(version)
                     publish_log.append((now, version))
+                if sim.eta_range is not None and rng.random() < 0.3:  # adaptive staleness
+                    coord.set_eta(int(rng.integers(sim.eta_range[0], sim.eta_range[1] + 1)))
+                    rec.etas.append(coord.eta)
                 if version < sim.updates:
                     out = learner.request(sim.B, version)
                     if out is not None:
@@ -421,6 +431,25 @@ def test_simulated_timing_staleness_bound(eta, sync_every, policy):
     assert totals["episodes"] >= 3000 and totals["requeued"] > 0 and totals["filtered"] > 0
     if policy == "drop" and eta > sync_every - 1:  # else admission alone keeps groups fresh
         assert totals["dropped"] > 0
+
+
+@pytest.mark.parametrize("sync_every,floor,ceiling", [(1, 0, 4), (1, 1, 8), (2, 1, 6)])
+def test_simulated_timing_staleness_bound_under_changing_eta(sync_every, floor, ceiling):
+    """Adaptive staleness: eta raised and lowered between updates at random. Every trained token
+    stays within the bound its group was admitted under, a lowered bound pauses admission
+    (never drops: stale_policy keep), and nothing is lost, split or deadlocked."""
+    lowered = kept = 0
+    for seed in range(8):
+        eta0 = floor + seed % (ceiling - floor + 1)
+        sim = Sim(eta0, sync_every, "keep", seed=500 + seed, eta_range=(floor, ceiling))
+        rec = simulate(sim)
+        check_run(rec, sim.updates)
+        assert len(set(rec.etas)) > 1, "eta never changed"
+        lowered += sum(b < a for a, b in zip([eta0, *rec.etas], rec.etas))
+        assert rec.buffer.counts["dropped"] == 0
+        # trained past the bound in force then: admitted under a higher one, and kept
+        kept += sum(k - g.min_version > rec.eta_at[k] for k, g in rec.trained)
+    assert lowered > 0 and kept > 0
 
 
 @pytest.mark.parametrize("policy", ["keep", "drop"])

@@ -463,7 +463,9 @@ def compute_loss(
     Metrics: loss, pg_loss, clip_fraction (= low + high), clip_fraction_low,
     clip_fraction_high, dual_clip_fraction, approx_kl (k3 of pi_theta vs the ratio's
     denominator), ratio_mean, ratio_max, is_weight_mean, masked_fraction, num_tokens,
-    and kl (k3 vs ref_logp) when ref_logp is given. Entropy needs full logits: the learner.
+    and kl (k3 vs ref_logp) when ref_logp is given, drift_kl and drift_ess (the behaviour
+    policy against the proximal one) when proximal_logp is given. Entropy needs full logits:
+    the learner.
     """
     spec = loss_spec(name)
     if cfg.is_correction != "none" and not spec.accepts_is_correction:
@@ -518,4 +520,12 @@ def compute_loss(
     }
     if kl_BT is not None:
         metrics["kl"] = mean(kl_BT)
+    if x.proximal_logp is not None and not spec.supervised:
+        # Drift of the data from the learner: r = proximal / behaviour on tokens drawn from the
+        # behaviour policy; k3 of KL(behaviour || proximal) and the normalised effective sample
+        # size (sum r)^2 / (n sum r^2) of the importance weights (1: no drift).
+        d = jnp.clip(sg(x.proximal_logp - x.behavior_logp), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+        r = jnp.where(m > 0, jnp.exp(d), 0.0)
+        metrics["drift_kl"] = mean(r - 1.0 - d)
+        metrics["drift_ess"] = r.sum() ** 2 / jnp.maximum(n_tok * (r**2).sum(), 1e-30)
     return loss, metrics
