@@ -313,8 +313,8 @@ class AdaptiveSection:
         "ess = 1 - the importance weights' normalised effective sample size (loss/drift_ess), "
         "clip = the PPO clip fraction",
     )
-    low: float = F(0.002, "drift under this over a window: eta + 1")
-    high: float = F(0.01, "drift over this over a window: eta halved")
+    low: float = F(0.005, "drift under this over a window: eta + 1")
+    high: float = F(0.02, "drift over this over a window: eta halved")
     window: int = F(4, "updates whose mean drift makes one decision")
 
 
