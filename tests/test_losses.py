@@ -167,6 +167,10 @@ def ref_loss(name, d, cfg):
     }
     if ref is not None:
         metrics["kl"] = stats["kl"]
+    if prox is not None:  # the behaviour policy's drift from the proximal one (r = prox / behav)
+        rr = [math.exp(prox[b, t] - behav[b, t]) for b in range(B) for t in range(T) if mask[b, t]]
+        metrics["drift_kl"] = sum(x - 1.0 - math.log(x) for x in rr) / n_tok
+        metrics["drift_ess"] = sum(rr) ** 2 / (n_tok * sum(x * x for x in rr))
     return loss, grad, metrics
 
 
