@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import signal
 import time
 
 import jax
@@ -145,19 +146,25 @@ def _update(h: Host, params, *, expect_kind: str) -> dict:
     return sent
 
 
-def _expect_refused(h: Host, version: int, params, match: str) -> None:
-    """An update the host refuses: the handle fails naming the host, the host keeps serving the
-    version it had (by numbers), and a later good update brings it back."""
+def _expect_refused(h: Host, version: int, params, match: str = "") -> VLLMError:
+    """An update the host refuses: the handle fails naming the host, and the host serves the
+    version it had, by numbers (log-probs of the previous weights)."""
+    t0 = time.monotonic()
     handle = h.engine.update_weights(version, Weights(params=params))
     with pytest.raises(VLLMError, match=match) as err:
-        handle.wait(120)
+        handle.wait(240)
+    print(f"refused in {time.monotonic() - t0:.2f} s: {str(err.value)[:300]}")
     assert h.host.url in str(err.value)
     assert h.engine.host_versions == {h.host.url: h.version}
-    assert requests.get(h.host.url + "/weight_info", timeout=10).json() == {
-        "weight_version": str(h.version)
-    }
-    h.engine.health()  # unhealthy after the failed update: generate() would refuse
-    assert h.engine.health() == {h.host.url: False}
+    if h.host.exit_code() is None:
+        assert requests.get(h.host.url + "/weight_info", timeout=10).json() == {
+            "weight_version": str(h.version)
+        }
+        assert h.engine.health() == {h.host.url: True}  # the version it had is the engine's
+        gens = _generate(h, f"after-refused-{version}")
+        assert all((g.versions == h.version).all() for g in gens)
+        assert _max_diff(_reference(h, h.version), gens) < TOL
+    return err.value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,3 +184,68 @@ def test_full_update_over_a_socket(served):
         _update(served, _noise(served.params, 2, 0.05), expect_kind="full")
     finally:
         served.streamer.transport = "shm"
+
+
+# ---------------------------------------------------------------------------------------------
+# Only what changed.
+
+
+def test_delta_sends_only_changed_elements(served):
+    served.streamer.delta = True
+    _update(served, _noise(served.params, 3, 0.05), expect_kind="full")  # the host keeps a base
+    sent = _update(served, _noise(served.params, 4, 0.05, fraction=0.01), expect_kind="delta")
+    whole = served.engine.last_update["bytes"]
+    print(f"delta: {sent['bytes']} of {whole} bytes, {sent['changed']} elements changed")
+    assert 0 < sent["changed"] < 0.03 * sent["elements"]
+    assert sent["bytes"] < 0.1 * whole
+
+
+def test_host_without_its_base_gets_the_full_version(served):
+    """The engine thinks the host holds the delta's base, but the host lost it (its transfer
+    engine shut down): the host refuses the delta, and the full version is sent instead."""
+    assert served.streamer.delta and served.streamer.base.version == served.version
+    requests.post(served.host.url + "/shutdown_weight_transfer_engine", timeout=30)
+    _update(served, _noise(served.params, 5, 0.05, fraction=0.01), expect_kind="full")
+    _update(served, _noise(served.params, 6, 0.05, fraction=0.01), expect_kind="delta")
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures: each leaves the host on the version it served, or fails in bounded time.
+
+
+def test_checksum_mismatch_is_refused(served, monkeypatch):
+    served.streamer.delta = False
+    make = served.streamer.update_info
+
+    def corrupted(url, kind):
+        info = make(url, kind)
+        info["tensors"][-1]["checksum"] = "0" * 16  # as if the bytes had changed on the way
+        return info
+
+    monkeypatch.setattr(served.streamer, "update_info", corrupted)
+    _expect_refused(served, served.version + 1, _noise(served.params, 7, 0.05))
+    assert "checksum" in served.host.log_tail(200)  # the worker's error names the cause
+    monkeypatch.undo()
+    _update(served, _noise(served.params, 8, 0.05), expect_kind="full")
+
+
+def test_out_of_order_version_is_refused(served):
+    _expect_refused(served, served.version, _noise(served.params, 9, 0.05))
+    assert "versions only go up" in served.host.log_tail(200)
+    _update(served, _noise(served.params, 10, 0.05), expect_kind="full")
+
+
+def test_host_killed_during_an_update_fails_in_bounded_time(served, monkeypatch):
+    make = served.streamer.update_info
+
+    def kill_then(url, kind):
+        info = make(url, kind)
+        os.killpg(served.host.process.pid, signal.SIGKILL)  # dies as its payload is sent
+        served.host.process.wait(30)
+        return info
+
+    monkeypatch.setattr(served.streamer, "update_info", kill_then)
+    t0 = time.monotonic()
+    err = _expect_refused(served, served.version + 1, _noise(served.params, 11, 0.05))
+    assert time.monotonic() - t0 < 120
+    assert "exited" in str(err) or "failed" in str(err)

@@ -670,6 +670,7 @@ class VLLMEngine:
                 "kind": kind,
                 "bytes": payload.nbytes,
                 "changed": payload.changed,
+                "elements": payload.elements,
                 "seconds": time.monotonic() - t0,
             }
         finally:

@@ -66,8 +66,8 @@ class Payload:
     base_version: int | None
     entries: list[dict]
     nbytes: int
-    changed: int  # elements sent by delta entries
-    delta_elements: int  # elements of the tensors sent as deltas
+    changed: int  # elements whose bits differ from the base (all of them without a base)
+    elements: int  # elements of the whole version
 
 
 @functools.lru_cache(maxsize=8)
@@ -140,7 +140,7 @@ def _hf_order(name: str) -> tuple:
 def encode(prepared: Prepared, base: Prepared | None, buffer: Callable[[int], memoryview]):
     """Lays `prepared` out (changed elements against `base` where smaller) in buffer(nbytes)."""
     entries, chunks = [], []
-    offset = changed = delta_elements = 0
+    offset = changed = elements = 0
     for name, tensor in prepared.tensors.items():
         old = None if base is None else base.tensors.get(name)
         encoding, parts, count = weight_wire.encode(tensor, old)
@@ -154,8 +154,8 @@ def encode(prepared: Prepared, base: Prepared | None, buffer: Callable[[int], me
         }
         if encoding != "full":
             entry["count"] = count
-            changed += count
-            delta_elements += tensor.size
+        changed += count
+        elements += tensor.size
         entries.append(entry)
         chunks.append((offset, parts))
         offset += weight_wire.entry_size(entry)
@@ -172,7 +172,7 @@ def encode(prepared: Prepared, base: Prepared | None, buffer: Callable[[int], me
         entries,
         offset,
         changed,
-        delta_elements,
+        elements,
     )
 
 
@@ -252,6 +252,11 @@ class WeightStreamer:
         if delta is not None and host_version == delta.base_version:
             return "delta", delta
         return "full", self._payloads["full"]
+
+    def sent(self, kind: str) -> tuple[Payload, memoryview] | None:
+        """The current version's payload `kind` ("full" or "delta") and its bytes, or None."""
+        p = self._payloads.get(kind)
+        return None if p is None else (p, self._buffers[kind].buffer(p.nbytes))
 
     def update_info(self, url: str, kind: str) -> dict:
         """The body of POST /update_weights that sends payload `kind` to the host at `url`."""
