@@ -146,7 +146,7 @@ def _update(h: Host, params, *, expect_kind: str) -> dict:
     return sent
 
 
-def _expect_refused(h: Host, version: int, params, match: str = "") -> VLLMError:
+def _expect_refused(h: Host, version: int, params, match: str | None = None) -> VLLMError:
     """An update the host refuses: the handle fails naming the host, and the host serves the
     version it had, by numbers (log-probs of the previous weights)."""
     t0 = time.monotonic()
