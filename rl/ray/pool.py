@@ -498,6 +498,11 @@ def worker_pool(
     )
     vllm = None
     if cfg.rollout.engine == "vllm":  # what each worker launches, and the HF publication
+        if v.weight_sync == "direct":
+            raise C.ConfigError(
+                "rollout.vllm.weight_sync: 'direct' runs with trainer.transport 'local' only so "
+                "far; the ray transport's workers reload HF directories (use 'disk')"
+            )
         vllm = {
             "num_hosts": v.num_hosts,
             "launch": vllm_launch_options(cfg),

@@ -717,6 +717,8 @@ class VLLMEngine:
                     )
             self._set_server_version(host, version)
             self._post(host, "/reset_prefix_cache")
+            if self.streamer is not None:  # a directory reload starts the streamed versions anew
+                self._post(host, "/shutdown_weight_transfer_engine")
         finally:
             try:
                 self._post(host, "/resume")

@@ -151,8 +151,10 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
         retie_word_embeddings(self.model, self.model_config.hf_config)
 
     def shutdown(self) -> None:
-        """Drops the kept base."""
+        """Drops the kept base and the version order: the next update must be whole, any
+        version (the trainer calls this after a reload from a directory, e.g. a new run)."""
         self.base, self.base_version = {}, None
+        self.version = None
 
 
 def as_torch(array: np.ndarray) -> torch.Tensor:
