@@ -90,7 +90,7 @@ def run_preset(preset: str, args, root: str) -> dict:
     server = ParamServer(
         os.path.join(root, preset, "weights"), config, tokenizer_dir=tok_dir, dtype=args.hf_dtype
     )
-    path0, nbytes = server.write(0, params)
+    path0, hf_bytes = server.write(0, params)
     host = VLLMHost.launch(
         path0,
         log_path=os.path.join(root, f"vllm-{preset}.log"),
@@ -133,6 +133,7 @@ def run_preset(preset: str, args, root: str) -> dict:
                         f"{host_info['seconds']:.3f}; {host_info['kind']}, "
                         f"{host_info['bytes'] / 2**20:.2f} MiB of {info['bytes'] / 2**20:.2f})"
                     )
+                    out["bytes"] = info["bytes"]  # the whole version in the serving dtype
                     if path == "delta" and not warmup:
                         equal, checked = _check_delta(streamer, streamer.base, base)
                         exact[0] += equal
@@ -154,7 +155,8 @@ def run_preset(preset: str, args, root: str) -> dict:
                 out["delta_changed_fraction"] = _median(changed)
                 out["delta_bit_exact"] = int(exact[0] == exact[1] > 0)  # every tensor, every update
                 out["delta_tensors_checked"] = exact[1]
-        out["bytes"] = nbytes
+        out["hf_bytes"] = hf_bytes
+        nbytes = out["bytes"]
         out["direct_ratio"] = out["direct_serve_s"] / out["hf_serve_s"]
         out["delta_ratio"] = out["delta_serve_s"] / out["hf_serve_s"]
         print(

@@ -17,6 +17,7 @@ bit against the full tensor the trainer holds.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import socket
@@ -113,6 +114,7 @@ class ShmPayload:
         self.path = os.path.join(directory, f"tandem-weights-{os.getpid()}-{uuid.uuid4().hex}")
         self.size = 0
         self._mmap: mmap.mmap | None = None
+        atexit.register(self.unlink)  # a tmpfs file holds memory until removed
 
     def buffer(self, nbytes: int) -> memoryview:
         """A writable view of the first nbytes (the file grows as needed)."""
