@@ -22,6 +22,7 @@ import shutil
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
@@ -120,7 +121,14 @@ class ParamServer:
         is_readers = isinstance(params, dict) and all(
             isinstance(v, ParamReader) for v in params.values()
         )
-        if isinstance(params, dict) and params and all(isinstance(k, str) for k in params):
+        if (
+            isinstance(params, dict)
+            and params
+            and all(
+                isinstance(k, str) and "." in k and isinstance(v, np.ndarray)
+                for k, v in params.items()
+            )
+        ):
             tensors = params  # {HF name: array} already in HF layout (the direct path's copy)
         else:
             sources = params if is_readers and params else param_sources(params)

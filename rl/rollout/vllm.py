@@ -739,12 +739,25 @@ class VLLMEngine:
         return self._call("get", host, route, None)
 
     def _call(self, method: str, host: VLLMHost, route: str, body: dict | None):
-        try:
-            resp = getattr(http_session(), method)(
-                host.url + route, json=body, timeout=self.update_timeout_s
-            )
-        except requests.RequestException as e:
-            raise VLLMError(host.failure_message(f"{route} failed ({type(e).__name__})")) from None
+        for attempt in range(2):
+            try:
+                resp = getattr(http_session(), method)(
+                    host.url + route, json=body, timeout=self.update_timeout_s
+                )
+                break
+            except requests.ConnectionError as e:
+                # The server may close a kept-alive connection after an error answer; the next
+                # call on it fails unsent. Once more on a new connection, unless the host died.
+                if attempt == 0 and host.exit_code() is None:
+                    log.warning("%s%s: %s; once more on a new connection", host.url, route, e)
+                    continue
+                raise VLLMError(
+                    host.failure_message(f"{route} failed ({type(e).__name__})")
+                ) from None
+            except requests.RequestException as e:
+                raise VLLMError(
+                    host.failure_message(f"{route} failed ({type(e).__name__})")
+                ) from None
         if resp.status_code != 200:
             hint = ""
             if resp.status_code == 404 and route == "/collective_rpc":
