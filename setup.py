@@ -14,6 +14,7 @@ setup(
         "optax>=0.2.5",
         "orbax-checkpoint>=0.12",
         "numpy",
+        "xxhash",  # checksums of streamed weights (rl/rollout/weight_wire.py)
         "pyyaml",
         "safetensors",
         "tokenizers",

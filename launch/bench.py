@@ -16,6 +16,7 @@ BENCHES = {
     "ceilings": ("launch.benches.ceilings", "measured bf16 matmul rate and copy bandwidth"),
     "async": ("launch.benches.async_bench", "the real trainer, synchronous vs fully async"),
     "publish": ("launch.benches.publish", "weight publication against a plain copy"),
+    "weight_sync": ("launch.benches.weight_sync", "vLLM weight sync: HF directory vs direct"),
 }
 
 

@@ -170,6 +170,15 @@ class VLLMSection:
     ready_timeout_s: float = F(300.0, "deadline for a launched server to become healthy")
     request_timeout_s: float = F(120.0, "deadline for one generation request")
     extra_args: list[str] = F([], "extra command-line arguments for launched servers")
+    dtype: Literal["float32", "bfloat16"] = F(
+        "float32", "serving dtype of launched servers, and of weights streamed to any server"
+    )
+    weight_sync: Literal["disk", "direct"] = F(
+        "disk",
+        "how new weights reach the hosts: reload from the published HF directory, or streamed "
+        "to the workers (shared memory / socket) with the directory written after (docs/vllm.md)",
+    )
+    delta: bool = F(False, "weight_sync=direct: send only the elements that changed, where smaller")
 
 
 @dataclasses.dataclass

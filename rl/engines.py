@@ -141,6 +141,7 @@ def vllm_launch_options(cfg) -> dict:
         "host": v.host,
         "enforce_eager": v.enforce_eager,
         "extra_args": list(v.extra_args),
+        "dtype": v.dtype,
     }
 
 
@@ -161,8 +162,13 @@ def vllm_local(cfg, learner, place, *, param_server=None, run_dir="", cache_len=
     v = cfg.rollout.vllm
     version = learner.version
     path, _ = param_server.write(version, learner.params())
+    options = vllm_engine_options(cfg)
+    if v.weight_sync == "direct":  # the directory is written after the hosts serve
+        from rl.rollout.weight_stream import WeightStreamer
+
+        options["streamer"] = WeightStreamer(v.dtype, delta=v.delta, record=param_server.write)
     if v.urls:  # servers of the user's: reloaded to this run's weights at once
-        engine = VLLMEngine(v.urls, version=version, **vllm_engine_options(cfg))
+        engine = VLLMEngine(v.urls, version=version, **options)
         engine.update_weights(version, path).wait()
     else:
         logs = [os.path.join(run_dir, "logs", f"vllm-{i}.log") for i in range(v.num_hosts)]
@@ -171,7 +177,7 @@ def vllm_local(cfg, learner, place, *, param_server=None, run_dir="", cache_len=
             logs,
             version=version,
             launch=vllm_launch_options(cfg),
-            engine=vllm_engine_options(cfg),
+            engine=options,
         )
     param_server.served("engine", version)
     return engine

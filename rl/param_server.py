@@ -22,6 +22,7 @@ import shutil
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
@@ -102,8 +103,8 @@ class ParamServer:
     def write(self, version: int, params) -> tuple[str, int]:
         """Writes params as the HF directory of `version` (tmp, manifest, rename, LATEST).
 
-        `params`: in-memory params, or {path: ParamReader} of a checkpoint (open_params), read
-        while earlier tensors are being written."""
+        `params`: in-memory params, {path: ParamReader} of a checkpoint (open_params), read
+        while earlier tensors are being written, or {HF name: array} in HF layout."""
         final = version_dir(self.weights_dir, version)
         tmp = final + ".tmp"
         if os.path.exists(tmp):
@@ -111,8 +112,18 @@ class ParamServer:
         is_readers = isinstance(params, dict) and all(
             isinstance(v, ParamReader) for v in params.values()
         )
-        sources = params if is_readers and params else param_sources(params)
-        tensors = hf_tensor_plan(self.config, sources, dtype=self.dtype)
+        if (
+            isinstance(params, dict)
+            and params
+            and all(
+                isinstance(k, str) and "." in k and isinstance(v, np.ndarray)
+                for k, v in params.items()
+            )
+        ):
+            tensors = params  # {HF name: array} already in HF layout (the direct path's copy)
+        else:
+            sources = params if is_readers and params else param_sources(params)
+            tensors = hf_tensor_plan(self.config, sources, dtype=self.dtype)
         digests: dict[str, str] = {}
         files = save_hf_tensors(
             self.config,

@@ -208,15 +208,18 @@ def _evals(run_dir: str) -> list[tuple[int, float]]:
     return [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
 
 
-def test_short_rl_run_with_vllm_raises_held_out_accuracy(served, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["disk", "direct"])
+def test_short_rl_run_with_vllm_raises_held_out_accuracy(served, tmp_path, weight_sync):
     """configs/vllm.yaml (the main job's recipe, synchronous) for 20 updates: RL with a vLLM host
     turns the warm start's demonstrator error around as the main job does with the JAX sampler
-    (tests/test_main_job.py: +0.3 in 25 updates)."""
+    (tests/test_main_job.py: +0.3 in 25 updates), with weights reloaded from each published
+    directory or streamed to the worker (the directory written after)."""
     run_dir = str(tmp_path / "rl")
     cfg = _config(
         f"rollout.vllm.urls=[{served.host.url}]",
         "trainer.total_updates=20",
         "trainer.eval_every=5",
+        f"rollout.vllm.weight_sync={weight_sync}",
     )
     t0 = time.monotonic()
     trainer = Trainer(cfg, run_dir=run_dir)

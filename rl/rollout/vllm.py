@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import requests
@@ -50,6 +51,7 @@ import requests
 from rl.metrics import BusyClock
 from rl.rollout.base import Generation, GenerationRequest, SamplingParams, Weights, WeightUpdate
 from rl.rollout.vllm_host import (
+    WEIGHT_TRANSFER_BACKEND,
     WORKER_EXTENSION,
     VLLMError,
     VLLMHost,
@@ -59,6 +61,9 @@ from rl.rollout.vllm_host import (
     ties_word_embeddings,
     verify_weights_dir,
 )
+
+if TYPE_CHECKING:  # the streamer brings JAX; an engine without one does not need it
+    from rl.rollout.weight_stream import Prepared, Snapshot, WeightStreamer
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,7 @@ class VLLMEngine:
         update_timeout_s: float = 120.0,
         verify_checksums: bool = True,
         owns_hosts: bool = False,
+        streamer: WeightStreamer | None = None,
     ):
         if not hosts:
             raise ValueError("VLLMEngine needs at least one host (VLLMHost or URL)")
@@ -126,6 +132,9 @@ class VLLMEngine:
         self.update_timeout_s = update_timeout_s
         self.verify_checksums = verify_checksums
         self.owns_hosts = owns_hosts
+        self.streamer = streamer  # weights in memory go straight to the workers (no directory)
+        self._updates = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-update")
+        self.last_update: dict = {}  # what the last direct update sent and how long it took
         self._cond = threading.Condition()
         self._update_lock = threading.Lock()
         self._paused: str | None = None
@@ -510,6 +519,8 @@ class VLLMEngine:
         While paused with 'keep', in-flight requests are aborted (never drained) first.
         """
         w = Weights.of(weights)
+        if self.streamer is not None and w.in_memory():
+            return self._update_direct(version, w)
         path = os.path.abspath(w.path())
         try:
             verify_weights_dir(path, version, checksums=self.verify_checksums)
@@ -526,7 +537,12 @@ class VLLMEngine:
             t0 = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(len(self._hosts)) as pool:
                 results = list(
-                    pool.map(lambda st: self._update_host(st, version, path, tied), self._hosts)
+                    pool.map(
+                        lambda st: self._update_host(
+                            st, version, lambda host: self._reload(host, version, path, tied)
+                        ),
+                        self._hosts,
+                    )
                 )
             failed = [err for err in results if err is not None]
             if len(failed) == len(self._hosts):
@@ -543,8 +559,9 @@ class VLLMEngine:
             log.info("vLLM hosts serve version %d (%s) after %.2f s", version, path, took)
         return WeightUpdate.served(version)
 
-    def _update_host(self, st: _HostState, version: int, path: str, tied: bool) -> str | None:
-        """One host: gate, empty, pause, reload, re-tie, set version, resume. Error or None."""
+    def _update_host(self, st: _HostState, version: int, load) -> str | None:
+        """One host: gate, empty, then load(host) (pause, load, set version, resume). Error or
+        None."""
         with self._cond:
             st.open = False
             st.update_epoch += 1
@@ -559,7 +576,7 @@ class VLLMEngine:
                 raise VLLMError(f"in-flight requests did not end within {self.update_timeout_s} s")
             for attempt in range(self.max_retries + 1):
                 try:
-                    self._reload(st.host, version, path, tied)
+                    load(st.host)
                     break
                 except VLLMError:
                     if attempt == self.max_retries or st.host.exit_code() is not None:
@@ -577,6 +594,111 @@ class VLLMEngine:
             st.open = True
             self._cond.notify_all()
         return None
+
+    def _update_direct(self, version: int, w: Weights) -> WeightUpdate:
+        """Streams in-memory weights to every host (rl/rollout/weight_stream.py); returns once
+        the serving-dtype copy is dispatched, and the handle is served when the hosts are."""
+        snap = self.streamer.snapshot(w.tree(self.streamer.template))
+        update = WeightUpdate(version)
+        self._updates.submit(self._run_direct, version, snap, update)
+        return update
+
+    def _run_direct(self, version: int, snap: Snapshot, update: WeightUpdate) -> None:
+        prepared = None
+        try:
+            with self._update_lock:
+                t0 = time.monotonic()
+                prepared = self.streamer.begin(snap, version)
+                sent: dict[str, dict] = {}
+                with concurrent.futures.ThreadPoolExecutor(len(self._hosts)) as pool:
+                    results = list(
+                        pool.map(
+                            lambda st: self._update_host(
+                                st, version, lambda host: self._stream(st, host, prepared, sent)
+                            ),
+                            self._hosts,
+                        )
+                    )
+                failed = [err for err in results if err is not None]
+                if len(failed) == len(self._hosts):
+                    raise VLLMError(f"no vLLM host loaded version {version}:\n" + "\n".join(failed))
+                for err in failed:
+                    log.error("weight update to version %d failed: %s", version, err)
+                self.streamer.finish(prepared, served=True)
+                with self._cond:
+                    self.version = version
+                took = time.monotonic() - t0
+                self.updates += 1
+                self.sync_s += took
+                self.last_update = {
+                    "version": version,
+                    "seconds": took,
+                    "bytes": prepared.nbytes,
+                    "hosts": sent,
+                    **self.streamer.stats,
+                }
+                log.info("vLLM hosts serve version %d (streamed) after %.2f s", version, took)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+            if prepared is not None:
+                self.streamer.finish(prepared, served=False)
+            update.set_failed(e)
+            return
+        update.set_served()
+        self.streamer.record_later(prepared)
+
+    def _stream(self, st: _HostState, host: VLLMHost, prepared: Prepared, sent: dict) -> None:
+        """One host's update through vLLM's weight-transfer endpoints; a delta the host cannot
+        apply (it missed one, or its check failed) is sent again whole."""
+        kind, payload = self.streamer.payload(st.version)
+        self._post(host, "/pause?mode=abort")
+        try:
+            t0 = time.monotonic()
+            try:
+                self._transfer(host, kind)
+            except VLLMError as e:
+                if kind == "full":
+                    raise
+                log.warning(
+                    "delta to %s refused; sending version %d whole: %s",
+                    host.url,
+                    prepared.version,
+                    e,
+                )
+                kind, payload = "full", self.streamer.payload(-1)[1]
+                self._transfer(host, kind)
+            served = (self._get(host, "/weight_info") or {}).get("weight_version")
+            if served != str(prepared.version):
+                raise VLLMError(
+                    host.failure_message(
+                        f"reports weight_version {served!r}, not {prepared.version}"
+                    )
+                )
+            self._post(host, "/reset_prefix_cache")
+            sent[host.url] = {
+                "kind": kind,
+                "bytes": payload.nbytes,
+                "changed": payload.changed,
+                "elements": payload.elements,
+                "seconds": time.monotonic() - t0,
+            }
+        finally:
+            try:
+                self._post(host, "/resume")
+            except VLLMError as e:
+                log.warning("resume failed: %s", e)
+
+    def _transfer(self, host: VLLMHost, kind: str) -> None:
+        info = self.streamer.update_info(host.url, kind)
+        self._post(host, "/start_weight_update")
+        try:
+            self._post(host, "/update_weights", {"update_info": info})
+        except VLLMError as e:
+            raise VLLMError(
+                f"{e}\n(the server needs --weight-transfer-config "
+                f'\'{{"backend": "{WEIGHT_TRANSFER_BACKEND}"}}\' and --worker-extension-cls '
+                f"{WORKER_EXTENSION}; VLLMHost.launch passes both)"
+            ) from None
+        self._post(host, "/finish_weight_update", {"weight_version": str(info["version"])})
 
     def _reload(self, host: VLLMHost, version: int, path: str, tied: bool) -> None:
         self._post(host, "/pause?mode=abort")
@@ -603,6 +725,8 @@ class VLLMEngine:
                     )
             self._set_server_version(host, version)
             self._post(host, "/reset_prefix_cache")
+            if self.streamer is not None:  # a directory reload starts the streamed versions anew
+                self._post(host, "/shutdown_weight_transfer_engine")
         finally:
             try:
                 self._post(host, "/resume")
@@ -623,12 +747,25 @@ class VLLMEngine:
         return self._call("get", host, route, None)
 
     def _call(self, method: str, host: VLLMHost, route: str, body: dict | None):
-        try:
-            resp = getattr(http_session(), method)(
-                host.url + route, json=body, timeout=self.update_timeout_s
-            )
-        except requests.RequestException as e:
-            raise VLLMError(host.failure_message(f"{route} failed ({type(e).__name__})")) from None
+        for attempt in range(2):
+            try:
+                resp = getattr(http_session(), method)(
+                    host.url + route, json=body, timeout=self.update_timeout_s
+                )
+                break
+            except requests.ConnectionError as e:
+                # The server may close a kept-alive connection after an error answer; the next
+                # call on it fails unsent. Once more on a new connection, unless the host died.
+                if attempt == 0 and host.exit_code() is None:
+                    log.warning("%s%s: %s; once more on a new connection", host.url, route, e)
+                    continue
+                raise VLLMError(
+                    host.failure_message(f"{route} failed ({type(e).__name__})")
+                ) from None
+            except requests.RequestException as e:
+                raise VLLMError(
+                    host.failure_message(f"{route} failed ({type(e).__name__})")
+                ) from None
         if resp.status_code != 200:
             hint = ""
             if resp.status_code == 404 and route == "/collective_rpc":
@@ -643,7 +780,10 @@ class VLLMEngine:
     def close(self) -> None:
         """Stops dispatch and, if the engine owns its hosts, stops their servers."""
         self.abort()
+        self._updates.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        if self.streamer is not None:
+            self.streamer.close()
         if self.owns_hosts:
             for st in self._hosts:
                 st.host.stop()

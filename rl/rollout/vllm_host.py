@@ -30,6 +30,7 @@ from rl.rollout.base import RolloutError
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rl.rollout.vllm_worker_ext.TandemWorkerExtension"
+WEIGHT_TRANSFER_BACKEND = "tandem"  # registered by the worker extension (vllm_weight_engine.py)
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -182,6 +183,8 @@ class VLLMHost:
             "vllm",  # neutral sampling defaults, never the model dir's generation_config.json
             "--worker-extension-cls",
             WORKER_EXTENSION,
+            "--weight-transfer-config",
+            json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
             "--seed",
             str(seed),
         ]
