@@ -208,12 +208,15 @@ def _evals(run_dir: str) -> list[tuple[int, float]]:
     return [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
 
 
-@pytest.mark.parametrize("weight_sync", ["disk", "direct"])
-def test_short_rl_run_with_vllm_raises_held_out_accuracy(served, tmp_path, weight_sync):
+def test_short_rl_run_with_vllm_raises_held_out_accuracy(served, tmp_path):
     """configs/vllm.yaml (the main job's recipe, synchronous) for 20 updates: RL with a vLLM host
     turns the warm start's demonstrator error around as the main job does with the JAX sampler
-    (tests/test_main_job.py: +0.3 in 25 updates), with weights reloaded from each published
-    directory or streamed to the worker (the directory written after)."""
+    (tests/test_main_job.py: +0.3 in 25 updates), with weights streamed to the worker and each
+    directory written after. One run, to keep the slow tier's time: both paths learned the same
+    (0.34 -> 0.98) when measured side by side, and the directory-reload path runs whole
+    trainings in test_host_killed_mid_run_fails_the_trainer, the vLLM preemption and chaos
+    tests."""
+    weight_sync = "direct"
     run_dir = str(tmp_path / "rl")
     cfg = _config(
         f"rollout.vllm.urls=[{served.host.url}]",
