@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from launch.benches.common import PRESETS, print_result
+from launch.benches.common import PRESETS, print_result, reject_nonpositive
 
 MAIN_JOB = "tiny"  # configs/default.yaml's model
 PATHS = ("hf", "direct", "delta")
@@ -222,8 +222,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs the weight_sync benchmark and prints its RESULT line last."""
     args = _parser().parse_args(argv)
-    if args.repeats < 1:
-        print(f"--repeats={args.repeats} must be positive", file=sys.stderr)
+    if reject_nonpositive(args, ("repeats",)):
         return 2
     print_result(run(args))
     return 0
