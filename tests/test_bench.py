@@ -157,3 +157,51 @@ def test_device_peaks_and_auto_chunk():
     assert common.device_peaks("cpu") == (None, None)
     assert learner.auto_chunk(151936) == 15232  # 10 chunks, 384 padded ids
     assert learner.auto_chunk(128) == 128
+
+
+def test_weight_sync_delta_check_is_bit_exact_and_refuses_a_wrong_base(tmp_path):
+    """The weight_sync bench's own check (its delta decoded against the base, bit for bit) on the
+    main job's model after one of its Adam-like steps; decoding against another base fails."""
+    import types
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import models
+    from launch.benches import weight_sync
+    from rl.rollout import weight_wire
+    from rl.rollout.weight_stream import WeightStreamer
+
+    params = nnx.state(
+        models.create_model(
+            tiny(dtype="float32", param_dtype="float32"),
+            models.make_mesh(devices=jax.devices()[:1]),
+            seed=0,
+        ),
+        nnx.Param,
+    )
+    streamer = WeightStreamer("bfloat16", delta=True, shm_dir=str(tmp_path))
+    try:
+        first = streamer.begin(streamer.snapshot(params), 1)
+        assert weight_sync._check_delta(streamer, first, None) == (0, 0)  # no base: no delta
+        streamer.finish(first, served=True)
+        stepped = weight_sync._optimizer_step(params, 2e-4, seed=1)
+        prepared = streamer.begin(streamer.snapshot(stepped), 2)
+        equal, checked = weight_sync._check_delta(streamer, prepared, first)
+        assert checked == len(prepared.tensors) and equal == checked
+        delta, _ = streamer.sent("delta")
+        assert delta.nbytes < streamer.sent("full")[0].nbytes
+        # A base the delta is not on (every element's lowest bit flipped): the checksums say so.
+        other = types.SimpleNamespace(
+            tensors={k: (v.view(np.uint16) ^ 1).view(v.dtype) for k, v in first.tensors.items()}
+        )
+        with pytest.raises(weight_wire.WireError, match="checksum"):
+            weight_sync._check_delta(streamer, prepared, other)
+    finally:
+        streamer.close()
+
+
+def test_weight_sync_bad_repeats_is_rejected(capsys):
+    assert bench.main("weight_sync --repeats 0".split()) == 2
+    assert "--repeats=0" in capsys.readouterr().err
