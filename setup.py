@@ -15,6 +15,7 @@ setup(
         "orbax-checkpoint>=0.12",
         "numpy",
         "xxhash",  # checksums of streamed weights (rl/rollout/weight_wire.py)
+        "psutil",  # a run's time since its process started (rl/startup.py)
         "pyyaml",
         "safetensors",
         "tokenizers",

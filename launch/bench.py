@@ -17,6 +17,7 @@ BENCHES = {
     "async": ("launch.benches.async_bench", "the real trainer, synchronous vs fully async"),
     "publish": ("launch.benches.publish", "weight publication against a plain copy"),
     "weight_sync": ("launch.benches.weight_sync", "vLLM weight sync: HF directory vs direct"),
+    "startup": ("launch.benches.startup", "a job's start: cold and warm compilation cache"),
 }
 
 

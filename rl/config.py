@@ -398,6 +398,11 @@ class TrainerSection:
         "on SIGTERM / SIGINT: the run checkpoints and exits 0 within this many seconds, "
         "else it exits 1",
     )
+    compile_cache: str = F(
+        "auto",
+        "JAX's persistent compilation cache, shared by the run's processes: auto "
+        "($JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tandem/jax), off, or a directory",
+    )
 
 
 @dataclasses.dataclass

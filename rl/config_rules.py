@@ -5,6 +5,7 @@ its RunConfig (`cfg` below; not imported here: rl.config imports this module).""
 from __future__ import annotations
 
 import difflib
+import os
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,13 @@ def check(cfg) -> None:
             f"trainer.rollout_hang_s: invalid value {cfg.trainer.rollout_hang_s!r}; must be <= "
             f"trainer.deadline_s ({cfg.trainer.deadline_s!r}): a hung rollout process must be "
             "found before the learner's wait for its groups fails the run"
+        )
+    cache = cfg.trainer.compile_cache
+    if not cache or (
+        cache not in ("auto", "off") and os.path.exists(cache) and not os.path.isdir(cache)
+    ):
+        raise ConfigError(
+            f"trainer.compile_cache: invalid value {cache!r}; must be auto, off or a directory"
         )
     positive("optim.lr", cfg.optim.lr)
     positive("sft.steps", cfg.sft.steps, allow_zero=True)

@@ -42,8 +42,11 @@ class LearnerHandle(Protocol):
     @property
     def config(self): ...  # the model's config
 
-    def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
-        """One policy update; the loss metrics."""
+    def update(
+        self, batch: TrainBatch, *, minibatches: int = 1, wait: bool = True
+    ) -> dict[str, float]:
+        """One policy update; the loss metrics (wait=False: may return before the step ends,
+        the metrics as arrays; an implementation may always wait)."""
 
     def set_step_cfg(self, cfg: StepConfig) -> None:
         """Switches the compiled step (warm start / RL)."""
@@ -447,13 +450,20 @@ class Learner:
         out = distributed.wait(out, "logprobs")
         return np.asarray(out)
 
-    def update(self, batch: TrainBatch, *, minibatches: int = 1) -> dict[str, float]:
-        """One policy update on a batch (split into `minibatches` optimizer steps)."""
+    def update(
+        self, batch: TrainBatch, *, minibatches: int = 1, wait: bool = True
+    ) -> dict[str, float]:
+        """One policy update on a batch (split into `minibatches` optimizer steps). With
+        wait=False (one minibatch, one host) the metrics stay on the device and the step is not
+        waited for: a loop that reads them rarely prepares the next batch while it runs."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         for mb in self._minibatches(batch, minibatches):
             with jax.set_mesh(self.mesh):  # traced in the mesh: attention's sharding constraints
                 self.state, met = self._train(self.state, self._device_batch(mb))
+            if not wait and minibatches == 1 and jax.process_count() == 1:
+                self.version += 1
+                return met
             met = distributed.wait(met, "update")  # a lost learner host fails, not hangs
             for k, v in met.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) / minibatches

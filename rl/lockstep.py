@@ -247,8 +247,9 @@ class Leader:
     def version(self, v: int) -> None:
         self.lockstep("set_version", lambda: setattr(self.learner, "version", v), v)
 
-    def update(self, batch, *, minibatches: int = 1) -> dict[str, float]:
-        """One policy update on every host; the metrics are this host's (equal on all)."""
+    def update(self, batch, *, minibatches: int = 1, wait: bool = True) -> dict[str, float]:
+        """One policy update on every host; the metrics are this host's (equal on all). It
+        always waits (wait is the contract's): every host ends the step together."""
         self._changes += 1
         run = lambda: self.learner.update(batch, minibatches=minibatches)  # noqa: E731
         return self.lockstep("update", run, batch, minibatches, collective=True)
@@ -526,7 +527,10 @@ def follow(cfg: C.RunConfig, run_dir: str) -> int:
     try:
         import jax
 
+        from rl import startup
+
         jax.devices()  # every host starts its backend together (they exchange topologies)
+        startup.enable_cache(cfg.trainer.compile_cache)
         return Follower(cfg, run_dir).run()
     except distributed.HostLost as e:
         distributed.fail(e)

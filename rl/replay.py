@@ -84,7 +84,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
     run that cannot be replayed."""
     import jax
 
-    from rl import build
+    from rl import build, startup
     from rl.agent import run_episodes
     from rl.evaluate import evaluate
     from rl.learner_setup import make_learner
@@ -94,6 +94,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
     from rl.sft import warm_start_run
 
     cfg = C.load(os.path.join(run_dir, "config.yaml"), [])
+    startup.enable_cache(cfg.trainer.compile_cache)
     if not cfg.rollout.batch_invariant:
         raise C.ConfigError(
             "rollout.batch_invariant: false in this run; replay needs true (the sampler's "

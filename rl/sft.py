@@ -8,7 +8,7 @@ import numpy as np
 
 from rl import build
 from rl.buffer import Stopped
-from rl.learner import StepConfig, bucket, make_batch
+from rl.learner import StepConfig, make_batch
 from rl.learner_setup import rl_optimizer, rl_step_cfg, sft_optimizer
 from rl.types import Episode
 
@@ -70,8 +70,9 @@ def warm_start(
         learner.reset_optimizer(sft_tx)
     problems = task.problems("train", sft.steps * sft.batch_size)
     demos = [demo_episode(task, tokenizer, p) for p in problems]
-    # One row length for the whole warm start: the longest demonstration's bucket (one program)
-    row_len = bucket(max(len(e.tokens) for e in demos))
+    # One row length for the whole warm start (one program): the longest demonstration's
+    # targets, no more (padding to a bucket would be up to half the warm start's compute)
+    row_len = max(len(e.tokens) for e in demos) - 1
     t0 = time.perf_counter()
     loss = float("nan")
     curve: list[tuple[int, float]] = []
@@ -83,14 +84,15 @@ def warm_start(
         if stop is not None and stop():
             raise Stopped(stop())
         eps = demos[step * sft.batch_size : (step + 1) * sft.batch_size]
-        met = learner.update(make_batch(eps, np.zeros(len(eps)), row_len=row_len))
-        loss = met["loss"]
+        # Not waited for: the next batch is made while this step runs; the loss is read rarely
+        met = learner.update(make_batch(eps, np.zeros(len(eps)), row_len=row_len), wait=False)
         if step % 25 == 0 or step == sft.steps - 1:
+            loss = float(met["loss"])
             curve.append((step, loss))
         if target and (step + 1) % sft.check_every == 0:
             accuracy = probe()
             if accuracy >= target:
-                steps = step + 1
+                steps, loss = step + 1, float(met["loss"])
                 break
     learner.version = 0
     learner.set_step_cfg(rl_step)

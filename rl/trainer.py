@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from rl import build, metrics, placement, staleness
+from rl import build, metrics, placement, staleness, startup
 from rl import config as C
 from rl.buffer import GroupBuffer, Stopped
 from rl.coordinator import Coordinator
@@ -50,6 +50,7 @@ class Trainer:
         self.saved_partials = SavedPartials()  # a preemption checkpoint's, continued at resume
         self.place = place or placement.prepare(cfg)  # backend-dependent settings fail first
         self.cfg = cfg = self.place.config
+        self.clock = startup.StartupClock(cfg.trainer.compile_cache, cfg.logging.progress)
         self.run_dir = run_dir or os.path.join(cfg.run_root, cfg.name)
         os.makedirs(self.run_dir, exist_ok=True)
         C.dump(cfg, os.path.join(self.run_dir, "config.yaml"))
@@ -81,6 +82,7 @@ class Trainer:
             raise
         self.episodes_dir = os.path.join(self.run_dir, "episodes")
         os.makedirs(self.episodes_dir, exist_ok=True)
+        self.clock.mark("startup/built_s")
 
     def close(self, failed: bool = False) -> None:
         """Shuts the run down in order: admission, rollout, engines, task, metrics, then the
@@ -90,19 +92,14 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        steps = []
         coord, parts, dispatcher = self._coord, self._rollout, self._dispatcher
-        if coord is not None:
-            steps.append(coord.stop)
-        if parts is not None:
-            steps.append(parts.engine.abort)
-        if dispatcher is not None:
-            steps.append(lambda: dispatcher.join(timeout=60))
+        steps = [coord.stop] if coord is not None else []
+        steps += [parts.engine.abort] if parts is not None else []
+        steps += [lambda: dispatcher.join(timeout=60)] if dispatcher is not None else []
         if parts is not None:
             steps += [e.close for e in {id(e): e for e in (parts.engine, parts.evaluator)}.values()]
-        for res in (getattr(self, "task", None), getattr(self, "writer", None)):
-            if res is not None:
-                steps.append(res.close)
+        resources = (getattr(self, "task", None), getattr(self, "writer", None))
+        steps += [res.close for res in resources if res is not None]
         if self.learner is not None:
             steps.append(lambda: self.learner.close(failed))
         for step in steps:
@@ -240,6 +237,7 @@ class Trainer:
                 summary.update(out)
             first = Coordinator(self.B, self.eta)
             self.save(0, first, GroupBuffer(first))
+            self.clock.mark("startup/warm_start_s")
         start = self.learner.version
         # Finished groups from a checkpoint come back; what was in flight is dispatched again
         # (never a group already consumed: trained, filtered or dropped), a group with saved
@@ -269,12 +267,14 @@ class Trainer:
         self._rollout = parts = build.make_rollout(cfg, self.learner, self.place, *built)
         rollout, engine, evaluator = parts.slots, parts.engine, parts.evaluator
         self.param_server = parts.param_server  # vLLM hosts reload what it publishes
+        self.clock.mark("startup/rollout_s")
         if on_engine is not None:
             on_engine(engine)
         if self.restored is None:
             ev = self.evaluate(evaluator, sampled=True)
             summary["eval/accuracy_start"] = ev["eval/accuracy"]
-            self.writer.log(0, 0, {**summary, **ev})
+            self.clock.mark("startup/eval_s")
+            self.writer.log(0, 0, {**summary, **ev, **self.clock.row()})
             self.schedule.start(start)
         coord.publish(start)
         dispatcher = Dispatcher(
@@ -307,12 +307,12 @@ class Trainer:
                 batch = build.update_batch(cfg, groups, row_len=row_len, unit=unit)
                 met = self.learner.update(batch, minibatches=cfg.learner.minibatches)
                 new = self.learner.version
-                t_sync = 0.0
-                if new % t.sync_every == 0 or new == t.total_updates:
-                    t_sync = self.publish(new, coord, buffer)
+                sync = new % t.sync_every == 0 or new == t.total_updates
+                t_sync = self.publish(new, coord, buffer) if sync else 0.0
                 row, stale = update_row(groups, batch, met, version)
                 row.update(meter.row(t_wait, t_sync), **buffer.metrics(), **buffer.sampled())
-                row.update(engine_metrics(engine.stats()), **self.task.stats())
+                es = engine.stats()  # first_update: the time to this process's first update
+                row.update(engine_metrics(es), **self.task.stats(), **self.clock.first_update(es))
                 row.update(coord.adapt(row))  # the bound, and an adaptive run's next one
                 row["coordinator/redispatched"] = float(coord.redispatched)
                 row.update(self.learner.stats())

@@ -205,3 +205,31 @@ def test_weight_sync_delta_check_is_bit_exact_and_refuses_a_wrong_base(tmp_path)
 def test_weight_sync_bad_repeats_is_rejected(capsys):
     assert bench.main("weight_sync --repeats 0".split()) == 2
     assert "--repeats=0" in capsys.readouterr().err
+
+
+def test_startup_cold_then_warm_from_the_cache(capsys, tmp_path):
+    """Two short jobs: the second loads every program the first compiled (both processes)."""
+    sets = [
+        "sft.steps=4",
+        "trainer.total_updates=1",
+        "task.num_eval=8",
+        "task.eval_samples=0",
+        "rollout.prompts_per_update=2",
+        "rollout.group_size=2",
+        "logging.tensorboard=false",
+    ]
+    argv = ["startup", "--root", str(tmp_path)] + [a for s in sets for a in ("--set", s)]
+    assert bench.main(argv) == 0
+    result = _parse_result(capsys.readouterr().out)
+    _positive_finite(result, "cold_update0_s", "warm_update0_s", "warm_first_update_s")
+    assert float(result["cold_compile_cache_hits"]) == 0
+    assert float(result["cold_compile_cache_misses"]) > 0
+    for where in ("", "rollout_"):
+        programs = float(result[f"warm_{where}compile_programs"])
+        assert programs > 0 and float(result[f"warm_{where}compile_cache_hits"]) == programs
+        assert float(result[f"warm_{where}compile_cache_misses"]) == 0
+
+
+def test_startup_bad_timeout_is_rejected(capsys):
+    assert bench.main("startup --timeout-s 0".split()) == 2
+    assert "--timeout-s=0" in capsys.readouterr().err

@@ -138,6 +138,15 @@ def test_run_directory(root, sync_run):
     for r in (rows[0], rows[-1]):  # evaluated at the start and at the end
         assert 0.0 <= r["eval/accuracy"] <= 1.0 and "eval/reward" in r
     assert "eval/accuracy" not in rows[1]
+    # Start-up: its phases at step 0; at the first update the time since the process began and
+    # the programs compiled (or loaded from the cache) here and in the rollout process.
+    phases = ("built_s", "warm_start_s", "rollout_s", "eval_s")
+    assert all(rows[0][f"startup/{p}"] > 0 for p in phases)
+    first = rows[1]["startup/first_update_s"]
+    assert first > sum(rows[0][f"startup/{p}"] for p in phases)
+    assert rows[1]["compile/programs"] >= rows[0]["compile/programs"] > 0
+    assert rows[1]["rollout_compile/programs"] > 0  # placement auto on a CPU: a process
+    assert all("startup/first_update_s" not in r for r in rows[2:])
     # the run learns something to compare: non-trivial losses and rewards
     assert any(abs(r["loss/pg_loss"]) > 1e-4 for r in rows[1:])
     assert any(r["reward/mean"] > 0 for r in rows[1:])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from rl.startup import CACHE_ENV
+
 
 def connect(address: str = "", need_cpus: float = 1.0) -> bool:
     """Joins the Ray cluster at `address` (or RAY_ADDRESS), else starts a local one.
@@ -19,7 +21,10 @@ def connect(address: str = "", need_cpus: float = 1.0) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:  # join a running cluster (Ray's own RAY_ADDRESS convention too)
-        ray.init(address=address, log_to_driver=False)
+        # Its workers did not start from this process: they get the compilation cache's setting
+        # (rl/startup.py) through their runtime environment.
+        env = {k: v for k, v in os.environ.items() if k in CACHE_ENV}
+        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
     else:
         ray.init(
             num_cpus=max(os.cpu_count() or 1, math.ceil(need_cpus)),

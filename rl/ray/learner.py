@@ -417,8 +417,9 @@ class RemoteLearner:
         self._all("set_version", v)
         self._version = v
 
-    def update(self, batch, *, minibatches: int = 1) -> dict[str, float]:
-        """One policy update on every host (the batch goes through the object store once)."""
+    def update(self, batch, *, minibatches: int = 1, wait: bool = True) -> dict[str, float]:
+        """One policy update on every host (the batch goes through the object store once). It
+        always waits (wait is the contract's): the metrics come back from the actors."""
         import ray
 
         ref = ray.put(batch)

@@ -67,6 +67,7 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
 
     from models.params import abstract_params
     from rl.rollout.jax_engine import JaxEngine
+    from rl.startup import CompileCounter
 
     send_lock = threading.Lock()
 
@@ -76,8 +77,11 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
 
     engine = None
 
-    def stats() -> dict:  # the engine's own counters (busy time, tokens, installs, traces)
-        return {**(engine.stats() if engine is not None else {}), "pid": os.getpid()}
+    compiles = CompileCounter()
+
+    def stats() -> dict:  # the engine's counters (busy time, tokens, installs, traces), compiles
+        out = engine.stats() if engine is not None else {}
+        return {**out, "pid": os.getpid(), "compile": compiles.since_start()}
 
     try:
         kind, flat = conn.recv()  # the initial params come over the pipe, not as spawn args

@@ -8,6 +8,7 @@ intermediate numerator and denominator, so evaluation is fast on any input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from fractions import Fraction
 
 ALLOWED_CHARS = frozenset("0123456789+-*/() \t\n")
@@ -245,6 +246,7 @@ class _CanonicalParser(_Parser):
         return _sorted_sum((-s, t) for s, t in a)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a task's draws repeat a few thousand expressions
 def twin_key(text: str, limits: Limits = DEFAULT_LIMITS) -> str:
     """A key shared by an expression's trivial twins; raises ExprError on an invalid one.
 
