@@ -230,6 +230,10 @@ def test_startup_cold_then_warm_from_the_cache(capsys, tmp_path):
         assert float(result[f"warm_{where}compile_cache_misses"]) == 0
 
 
-def test_startup_bad_timeout_is_rejected(capsys):
+def test_startup_bad_arguments_are_rejected(capsys, tmp_path):
     assert bench.main("startup --timeout-s 0".split()) == 2
     assert "--timeout-s=0" in capsys.readouterr().err
+    assert bench.main(["startup", "--baseline-dir", str(tmp_path)]) == 2
+    assert f"--baseline-dir {tmp_path}: no launch/train.py there" in capsys.readouterr().err
+    assert bench.main(["startup", "--baseline-dir", ".", "--baseline-ref", "HEAD"]) == 2
+    assert "give one of them" in capsys.readouterr().err

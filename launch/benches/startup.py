@@ -122,10 +122,13 @@ def run(args) -> dict:
     result: dict = {}
     tree = None
     try:
-        if args.baseline_ref:
-            tree = _baseline_tree(args.baseline_ref, root)
-            base_env = {**env, "PYTHONPATH": tree}  # its code, not this checkout's
-            base = run_job("baseline", args, tree, os.path.join(root, "runs"), base_env, [])
+        if args.baseline_ref or args.baseline_dir:
+            if args.baseline_ref:
+                tree = _baseline_tree(args.baseline_ref, root)
+            base_dir = tree or os.path.abspath(args.baseline_dir)
+            path = os.pathsep.join(p for p in (base_dir, env.get("PYTHONPATH")) if p)
+            base_env = {**env, "PYTHONPATH": path}  # its code, not this checkout's
+            base = run_job("baseline", args, base_dir, os.path.join(root, "runs"), base_env, [])
             result.update({f"baseline_{k}": v for k, v in base.items()})
         for tag in ("cold", "warm"):
             out = run_job(
@@ -134,7 +137,7 @@ def run(args) -> dict:
             result.update({f"{tag}_{k}": v for k, v in out.items()})
         result["warm_over_cold_update0"] = result["warm_update0_s"] / result["cold_update0_s"]
         result["warm_update0_beyond_sft_s"] = result["warm_update0_s"] - result["warm_sft_s"]
-        if args.baseline_ref:
+        if "baseline_update0_s" in result:
             for tag in ("cold", "warm"):
                 for k in ("update0_s", "total_s"):
                     result[f"{tag}_over_baseline_{k[:-2]}"] = (
@@ -162,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
         "--baseline-ref",
         help="a git commit to run first as the baseline (its code, in a worktree; no cache)",
     )
+    p.add_argument(
+        "--baseline-dir",
+        help="a checkout of other code to run first as the baseline (where git is not at hand)",
+    )
     p.add_argument("--timeout-s", type=float, default=1800.0, help="longest one job may run")
     p.add_argument("--root", help="work directory (default: a temp dir, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the temp work directory")
@@ -172,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the startup benchmark and prints its RESULT line last."""
     args = _parser().parse_args(argv)
     if reject_nonpositive(args, ("timeout_s",)):
+        return 2
+    if args.baseline_ref and args.baseline_dir:
+        print("--baseline-ref and --baseline-dir: give one of them", file=sys.stderr)
+        return 2
+    if args.baseline_dir and not os.path.isfile(
+        os.path.join(args.baseline_dir, "launch", "train.py")
+    ):
+        print(f"--baseline-dir {args.baseline_dir}: no launch/train.py there", file=sys.stderr)
         return 2
     print_result(run(args))
     return 0
