@@ -401,7 +401,8 @@ class TrainerSection:
     compile_cache: str = F(
         "auto",
         "JAX's persistent compilation cache, shared by the run's processes: auto "
-        "($JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tandem/jax), off, or a directory",
+        "($JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tandem/jax; off, with a warning, "
+        "where it cannot be created), off, or a directory",
     )
 
 

@@ -65,6 +65,9 @@ def enable_cache(setting: str) -> str | None:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
+            if setting == "auto":  # a read-only home: the run goes on, compiling everything
+                print(f"[tandem] compile cache off: cannot create {path} ({e})", file=sys.stderr)
+                return enable_cache("off")
             raise ConfigError(
                 f"trainer.compile_cache: invalid value {setting!r}: cannot create {path} ({e}); "
                 "must be auto, off or a directory this user can write"

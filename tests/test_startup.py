@@ -96,6 +96,15 @@ def test_cache_setting_errors_name_the_key(tmp_path):
         startup.enable_cache(str(not_a_dir / "jit"))
 
 
+def test_auto_without_a_writable_cache_directory_runs_without_the_cache(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    env = _env(HOME=str(tmp_path), XDG_CACHE_HOME=str(not_a_dir))
+    out = _process("auto", env)
+    assert out["path"] is None and out["compile/cache_hits"] == 0
+    assert out["compile/programs"] >= 3
+
+
 def test_summary_line_names_both_processes():
     here = {"compile/seconds": 3.25, "compile/programs": 12, "compile/cache_hits": 10}
     here["compile/cache_misses"] = 2

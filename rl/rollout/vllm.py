@@ -534,30 +534,34 @@ class VLLMEngine:
             verify_weights_dir(path, version, checksums=self.verify_checksums)
         tied = ties_word_embeddings(path)
         with self._update_lock:
-            t0 = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(len(self._hosts)) as pool:
-                results = list(
-                    pool.map(
-                        lambda st: self._update_host(
-                            st, version, lambda host: self._reload(host, version, path, tied)
-                        ),
-                        self._hosts,
-                    )
-                )
-            failed = [err for err in results if err is not None]
-            if len(failed) == len(self._hosts):
-                raise VLLMError(
-                    f"no vLLM host loaded version {version} from {path}:\n" + "\n".join(failed)
-                )
-            for err in failed:
-                log.error("weight update to version %d failed: %s", version, err)
-            with self._cond:
-                self.version = version
-            took = time.monotonic() - t0
-            self.updates += 1
-            self.sync_s += took
+            reload = lambda st, host: self._reload(host, version, path, tied)  # noqa: E731
+            took = self._update_all(version, reload, f" from {path}")
             log.info("vLLM hosts serve version %d (%s) after %.2f s", version, path, took)
         return WeightUpdate.served(version)
+
+    def _update_all(self, version: int, load, source: str = "") -> float:
+        """Every host through _update_host with load(state, host), in parallel (the caller holds
+        _update_lock). Raises VLLMError when none loaded `version`; the engine serves it once
+        one has. Returns the seconds taken."""
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(self._hosts)) as pool:
+            results = list(
+                pool.map(
+                    lambda st: self._update_host(st, version, lambda host: load(st, host)),
+                    self._hosts,
+                )
+            )
+        failed = [err for err in results if err is not None]
+        if len(failed) == len(self._hosts):
+            raise VLLMError(f"no vLLM host loaded version {version}{source}:\n" + "\n".join(failed))
+        for err in failed:
+            log.error("weight update to version %d failed: %s", version, err)
+        with self._cond:
+            self.version = version
+        took = time.monotonic() - t0
+        self.updates += 1
+        self.sync_s += took
+        return took
 
     def _update_host(self, st: _HostState, version: int, load) -> str | None:
         """One host: gate, empty, then load(host) (pause, load, set version, resume). Error or
@@ -610,26 +614,9 @@ class VLLMEngine:
                 t0 = time.monotonic()
                 prepared = self.streamer.begin(snap, version)
                 sent: dict[str, dict] = {}
-                with concurrent.futures.ThreadPoolExecutor(len(self._hosts)) as pool:
-                    results = list(
-                        pool.map(
-                            lambda st: self._update_host(
-                                st, version, lambda host: self._stream(st, host, prepared, sent)
-                            ),
-                            self._hosts,
-                        )
-                    )
-                failed = [err for err in results if err is not None]
-                if len(failed) == len(self._hosts):
-                    raise VLLMError(f"no vLLM host loaded version {version}:\n" + "\n".join(failed))
-                for err in failed:
-                    log.error("weight update to version %d failed: %s", version, err)
+                self._update_all(version, lambda st, host: self._stream(st, host, prepared, sent))
                 self.streamer.finish(prepared, served=True)
-                with self._cond:
-                    self.version = version
-                took = time.monotonic() - t0
-                self.updates += 1
-                self.sync_s += took
+                took = time.monotonic() - t0  # the encoding included
                 self.last_update = {
                     "version": version,
                     "seconds": took,
