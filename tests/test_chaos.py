@@ -313,6 +313,9 @@ def test_local_rollout_process_sigkilled_mid_generate_and_mid_weight_update_then
             seen["old"] = set(faults.pids.values())
             seen["stopper"] = threading.Thread(target=stop_replacement, daemon=True)
             seen["stopper"].start()
+            # The SIGSTOP must land while the run still has updates to make (a run that starts
+            # from the compilation cache can finish its last ones within stop_delay otherwise).
+            seen["stopper"].join(62 + stop_delay)  # the stopper gives up after 60 s
 
     trainer = Trainer(cfg)
     try:
