@@ -33,8 +33,8 @@ _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 
 def default_cache_dir() -> str:
     """$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/tandem/jax (~/.cache/...)."""
-    if os.environ.get(ENV_DIR):
-        return os.environ[ENV_DIR]
+    if os.environ.get(ENV_DIR):  # absolute: a relative one would move with the working dir
+        return os.path.abspath(os.environ[ENV_DIR])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tandem", "jax")
 

@@ -135,7 +135,10 @@ def test_adaptive_staleness_run_replays_bit_for_bit(tmp_path):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]
     etas = [r["staleness/eta"] for r in rows]
-    assert etas[0] < 2 and len(set(etas)) > 1, etas  # the bound moved during the run
+    # The bound moved during the run. Update 1 trains tokens of its own version, whose drift is
+    # 0 where the sampler's log-probs equal the learner's (bit for bit for some batches, not all):
+    # it may keep eta. Update 2's tokens are a version old: their drift halves it.
+    assert etas[1] < etas[0] <= 2 and len(set(etas)) > 1, etas
     assert [r["staleness/bound"] for r in rows[1:]] == etas[:-1]  # each update's bound in force
     schedule = [s for s in read_schedule(run) if "update" in s]
     assert [s["eta"] for s in schedule] == etas
