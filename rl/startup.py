@@ -50,7 +50,7 @@ def cache_dir(setting: str) -> str | None:
 
 def enable_cache(setting: str) -> str | None:
     """Points this process's JAX, and the processes it starts, at the cache (or turns it off).
-    Every program is cached, however fast it compiled: a start compiles hundreds of small ones.
+    Every program is cached, however fast it compiled: a start compiles dozens of small ones.
     Returns the directory, or None when off. A process that compiled under another setting
     (tests, notebooks running several configs) switches from its next compilation on."""
     import jax
@@ -110,7 +110,6 @@ class CompileCounter:
     _lock = threading.Lock()
     _totals: dict[str, float] = {}
     _registered = False
-    compiled: list[tuple[str, float]] = []  # (program, seconds to compile or load), in order
 
     @classmethod
     def _register(cls) -> None:
@@ -121,13 +120,11 @@ class CompileCounter:
                 return
             cls._registered = True
 
-        def on_duration(event: str, duration: float, **kw) -> None:
+        def on_duration(event: str, duration: float, **_) -> None:
             if event in (_TRACE, _LOWER, _COMPILE, _SAVED):
                 with cls._lock:
                     cls._totals[event] = cls._totals.get(event, 0.0) + duration
                     cls._totals[event + "#n"] = cls._totals.get(event + "#n", 0.0) + 1
-                    if event == _COMPILE:
-                        cls.compiled.append((str(kw.get("fun_name", "?")), duration))
 
         def on_event(event: str, **_) -> None:
             if event in (_REQUESTS, _HITS):
