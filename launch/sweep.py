@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import yaml
 
@@ -62,6 +62,11 @@ class SweepFile:
     runs: list[dict[str, Any]] = F([], "explicit runs: override mappings, optional `name`")
     seeds: list[int] = F([], "repeat every run with each seed; empty = the config's seed")
     metrics: list[str] = F(["eval/accuracy", "reward/mean"], "metrics to tabulate")
+    order: Literal["run", "seed"] = F(
+        "run",
+        "run: each run's seeds one after another; seed: every run's first seed, then every "
+        "run's second... (runs compared on wall clock then share the machine's drift)",
+    )
 
 
 @dataclasses.dataclass
@@ -234,6 +239,8 @@ def _from_dict(data: Any, path: str) -> Sweep:
         for seed in spec.seeds or [None]:
             full = stem if seed is None else f"{stem}_seed-{seed}"
             runs.append(RunSpec(full, body, seed))
+    if spec.order == "seed" and spec.seeds:
+        runs.sort(key=lambda r: spec.seeds.index(r.seed))  # stable: the runs' order per seed
     names = [r.name for r in runs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

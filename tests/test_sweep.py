@@ -119,9 +119,19 @@ def test_runs_list_with_names(tmp_path):
     assert options == {**base_options, "digits": 3}
 
 
+def test_seed_order_interleaves_the_runs(tmp_path):
+    runs = [{"name": "a"}, {"name": "b"}]
+    by_run = S.load(_write(tmp_path, {"base": BASE, "runs": runs, "seeds": [3, 1]}))
+    assert [r.name for r in by_run.runs] == ["a_seed-3", "a_seed-1", "b_seed-3", "b_seed-1"]
+    data = {"base": BASE, "runs": runs, "seeds": [3, 1], "order": "seed"}
+    by_seed = S.load(_write(tmp_path, data))
+    assert [r.name for r in by_seed.runs] == ["a_seed-3", "b_seed-3", "a_seed-1", "b_seed-1"]
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
+        ({"order": "seeds"}, "order: invalid value 'seeds'"),
         ({"grdi": {"optim.lr": [1]}}, "grdi: unknown key; did you mean 'grid'"),
         ({"grid": {"optim.lr": 0.1}}, "grid.optim.lr: expected a list, got 0.1"),
         ({"seeds": ["a"]}, r"seeds\[0\]: expected int, got 'a'"),
