@@ -115,8 +115,7 @@ class TaskSection:
     name: str = F(
         "arithmetic",
         "task to train on (dataset: the user's JSONL / Parquet files, docs/data.md; longtail: "
-        "synthetic long-tailed lengths, for benchmarks; with options.reward_kind sum, a+b to "
-        "learn at those lengths)",
+        "synthetic long-tailed lengths, for benchmarks)",
         choices=task_names,
         registry="rl.tasks.register_task",
     )

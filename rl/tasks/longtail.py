@@ -5,11 +5,8 @@ budget, drawn from a Pareto distribution (seeded, scaled by min_tokens, clipped 
 [min_tokens, max_tokens]), in meta["max_new_tokens"], and meta["ignore_eos"] = True: the agent
 generates exactly that many tokens (capped by rollout.max_new_tokens), so a batch's length is
 set by its longest budget, as in real RL where a few long answers stall a synchronous step.
-The reward (`reward: even_digits`, the benchmarks') is cheap, deterministic and varies inside a
-group: the fraction of the generated digits that are even (0 when there is none), so GRPO groups
-are rarely filtered. `reward: sum` makes it a skill to learn: 1 for the right a+b in the
-completion's first <answer></answer> (format_reward for another integer there), whatever the
-budget's remaining tokens hold; the demonstration is that answer alone.
+The reward is cheap, deterministic and varies inside a group: the fraction of the generated
+digits that are even (0 when there is none), so GRPO groups are rarely filtered.
 """
 
 from __future__ import annotations
@@ -19,22 +16,8 @@ import random
 from typing import ClassVar
 
 from rl.tasks.arithmetic import operand_range
-from rl.tasks.base import (
-    ANSWER_CLOSE,
-    ANSWER_OPEN,
-    MAX_ANSWER_CHARS,
-    ZERO,
-    Problem,
-    RewardResult,
-    check_common,
-    parse_int,
-    register_task,
-    sample_problems,
-    score,
-)
+from rl.tasks.base import Problem, RewardResult, check_common, register_task, sample_problems
 from rl.tasks.expr import twin_key
-
-REWARD_KINDS = ("even_digits", "sum")
 
 
 def pareto_budget(rng: random.Random, alpha: float, lo: int, hi: int) -> int:
@@ -54,7 +37,6 @@ class LongTailTask:
     seed: int = 0
     eval_fraction: float = 0.1
     format_reward: float = 0.0
-    reward_kind: str = "even_digits"  # or "sum": the arithmetic answer, a skill to learn
 
     name: ClassVar[str] = "longtail"
     max_turns: ClassVar[int] = 1
@@ -71,10 +53,6 @@ class LongTailTask:
             raise ValueError(f"longtail: alpha must be > 0, got {self.alpha!r}")
         if not (isinstance(self.digits, int) and 1 <= self.digits <= 9):
             raise ValueError(f"longtail: digits must be an int in 1..9, got {self.digits!r}")
-        if self.reward_kind not in REWARD_KINDS:
-            raise ValueError(
-                f"longtail: reward_kind {self.reward_kind!r} invalid; choose from {REWARD_KINDS}"
-            )
 
     def _draw(self, rng: random.Random) -> tuple[str, str, str, dict]:
         lo, hi = operand_range(self.digits)
@@ -92,14 +70,7 @@ class LongTailTask:
         return sample_problems(self.name, self.seed, split, n, self.eval_fraction, self._draw)
 
     def reward(self, problem: Problem, completion: str) -> RewardResult:
-        """even_digits: the fraction of the completion's ASCII digits that are even (0.0
-        without digits). sum: 1.0 for a+b in the first <answer></answer>, format_reward for
-        another integer there."""
-        if self.reward_kind == "sum":
-            value = _first_answer_int(completion)
-            if value is None:
-                return ZERO
-            return score(value == int(problem.answer), True, self.format_reward)
+        """Fraction of the completion's ASCII digits that are even (0.0 without digits)."""
         digits = [c for c in completion if "0" <= c <= "9"]
         if not digits:
             return RewardResult(reward=0.0, correct=False, formatted=False)
@@ -107,25 +78,9 @@ class LongTailTask:
         return RewardResult(reward=frac, correct=frac >= 0.5, formatted=True)
 
     def demonstration(self, problem: Problem) -> str:
-        """A completion of reward 1: sum, the answer alone; even_digits, the budget's length of
-        even digits."""
-        if self.reward_kind == "sum":
-            return f"{ANSWER_OPEN}{problem.answer}{ANSWER_CLOSE}"
+        """A completion of the problem's budget made of even digits (reward 1)."""
         return ("2468" * problem.meta["max_new_tokens"])[: problem.meta["max_new_tokens"]]
 
     def env_step(self, problem: Problem, transcript: str) -> str | None:
         """Single turn."""
         return None
-
-
-def _first_answer_int(completion: str) -> int | None:
-    """The integer in the completion's first <answer></answer>, else None (what follows it is
-    the rest of a budget generated past the end of the answer)."""
-    if not isinstance(completion, str):
-        return None
-    start = completion.find(ANSWER_OPEN)
-    if start < 0:
-        return None
-    start += len(ANSWER_OPEN)
-    stop = completion.find(ANSWER_CLOSE, start, start + MAX_ANSWER_CHARS + len(ANSWER_CLOSE))
-    return None if stop < 0 else parse_int(completion[start:stop])
