@@ -484,3 +484,127 @@ def paired_gaps(
         out["decided"] = (out["gap"].abs() - 2 * out["se"]) > abs(floor) + 2 * floor_se
         out.loc[out[x] == floor_at, "decided"] = False
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Studies of settings over seeds (sweep runs named <setting>_seed-<n>)
+
+
+def arm_of(run: Run) -> str:
+    """A sweep run's setting: its name without the sweep's `_seed-<n>` suffix."""
+    import re
+
+    return re.sub(r"_seed-\d+$", "", run.name)
+
+
+def arm_table(runs: Sequence[Run], target_accuracy: float) -> pd.DataFrame:
+    """One row per run, indexed by (arm, seed): the final held-out accuracy, the updates and
+    wall-clock seconds to the first evaluation at or above target_accuracy (NaN: never), the
+    run's wall clock, its mean trained staleness and its mean staleness bound (eta)."""
+    import numpy as np
+    import pandas as pd
+
+    rows = []
+    for run in runs:
+        m = run.metrics
+        ev = m[["step", "time", EVAL_ACCURACY]].dropna() if run.has(EVAL_ACCURACY) else None
+        hit = None if ev is None else ev[ev[EVAL_ACCURACY] >= target_accuracy]
+        reached = hit is not None and len(hit) > 0
+
+        rows.append(
+            {
+                "arm": arm_of(run),
+                "seed": run.config.get("seed"),
+                "accuracy_final": float(ev[EVAL_ACCURACY].iloc[-1]) if ev is not None else np.nan,
+                "updates_to_target": float(hit["step"].iloc[0]) if reached else np.nan,
+                "seconds_to_target": float(hit["time"].iloc[0]) if reached else np.nan,
+                "wall_s": float(m["time"].max()),
+                "staleness_mean": _mean(run, "staleness/mean"),
+                "eta_mean": _mean(run, "staleness/bound"),
+            }
+        )
+    return pd.DataFrame(rows).set_index(["arm", "seed"]).sort_index()
+
+
+def _mean(run: Run, metric: str) -> float:
+    return float(run.metrics[metric].dropna().mean()) if run.has(metric) else float("nan")
+
+
+def arm_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """arm_table's columns over seeds per arm: mean, sample std, and n (runs with a value;
+    for the *_to_target columns, the runs that reached the target)."""
+    grouped = table.groupby(level="arm")
+    out = grouped.agg(["mean", "std", "count"])
+    out.columns = [f"{c}_{s}" if s != "count" else f"{c}_n" for c, s in out.columns]
+    return out
+
+
+def arm_gap(
+    table: pd.DataFrame, a: str, b: str, column: str, floor: tuple[str, str]
+) -> dict[str, float]:
+    """The gap b - a of arm_table's `column`, paired by seed (seeds where both have a value):
+    mean, sample std, standard error, n; and the same for the A/A pair `floor` (two arms that
+    compute the same thing). `decided`: the gap, two standard errors in, lies beyond the
+    floor's magnitude plus two of the floor's standard errors (as paired_gaps)."""
+    import numpy as np
+
+    def paired(x: str, y: str) -> tuple[float, float, float, int]:
+        both = table[column].unstack("arm")[[x, y]].dropna()
+        g = (both[y] - both[x]).to_numpy()
+        std = float(g.std(ddof=1)) if len(g) > 1 else float("nan")
+        return float(g.mean()) if len(g) else float("nan"), std, std / np.sqrt(len(g)), len(g)
+
+    gap, std, se, n = paired(a, b)
+    f_gap, _, f_se, f_n = paired(*floor)
+    decided = bool(abs(gap) - 2 * se > abs(f_gap) + 2 * f_se)
+    return {
+        "gap": gap,
+        "std": std,
+        "se": se,
+        "n": n,
+        "floor": f_gap,
+        "floor_se": f_se,
+        "floor_n": f_n,
+        "decided": decided,
+    }
+
+
+def plot_arms(
+    runs: Sequence[Run],
+    out: str | os.PathLike = "arms.png",
+    arms: Sequence[str] | None = None,
+) -> Path:
+    """Two panels: held-out accuracy against wall clock (per arm, the mean over seeds at each
+    evaluated update, placed at the mean wall clock of that update), and the staleness bound
+    eta against the update of every run (one line per run, coloured by arm)."""
+    import numpy as np
+
+    by_arm: dict[str, list[Run]] = {}
+    for run in runs:
+        by_arm.setdefault(arm_of(run), []).append(run)
+    names = list(arms) if arms is not None else sorted(by_arm)
+    fig, (acc_ax, eta_ax) = _figure(1, 2, size=(12.0, 4.5))
+    for i, name in enumerate(names):
+        group = by_arm.get(name, [])
+        color = f"C{i % 10}"
+        curves = [s for s in (_series(r, "step", EVAL_ACCURACY) for r in group) if s is not None]
+        clocks = [_series(r, "step", "time") for r in group if r.has(EVAL_ACCURACY)]
+        if curves:
+            steps = sorted(set.intersection(*(set(s[0].tolist()) for s in curves)))
+            acc = [np.mean([s[1][list(s[0]).index(k)] for s in curves]) for k in steps]
+            when = [
+                np.mean([c[1][list(c[0]).index(k)] for c in clocks if c is not None]) for k in steps
+            ]
+            acc_ax.plot(when, acc, marker="o", color=color, label=f"{name} (n={len(curves)})")
+        for j, run in enumerate(group):
+            s = _series(run, "step", "staleness/bound")
+            if s is not None:
+                eta_ax.plot(*s, color=color, alpha=0.6, label=name if j == 0 else None)
+    acc_ax.set_xlabel(X_LABELS["time"])
+    acc_ax.set_ylabel("held-out accuracy (mean over seeds)")
+    eta_ax.set_xlabel(X_LABELS["step"])
+    eta_ax.set_ylabel("staleness bound eta")
+    for ax in (acc_ax, eta_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, out)

@@ -205,6 +205,51 @@ def test_paired_gaps_against_the_a_a_noise_floor(tmp_path):
         analysis.paired_gaps(runs, x, "algorithm.loss", "a", "b", "m", floor_at=2)
 
 
+def write_arm_runs(root: Path, finals: dict[str, list[float]], varying: str = "") -> None:
+    """SYNTHETIC sweep runs <arm>_seed-<n>: evaluations at updates 0, 2, 4 rising linearly to
+    the arm's final accuracy for that seed; the staleness bound 2, or cycling 0-2 for `varying`."""
+    for arm, values in finals.items():
+        for seed, final in enumerate(values):
+            d = root / f"{arm}_seed-{seed}"
+            d.mkdir(parents=True)
+            (d / "config.yaml").write_text(yaml.safe_dump({"seed": seed}))
+            rows = []
+            for step in range(5):
+                bound = float(step % 3) if arm == varying else 2.0
+                rows.append({"step": step, "time": 10.0 * step, "staleness/bound": bound})
+                if step % 2 == 0:  # evaluations at 0, 2, 4: the last one is the final
+                    acc = final * step / 4
+                    rows.append({"step": step, "time": 10.0 * step + 1, "eval/accuracy": acc})
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_arm_table_time_to_target_and_gap_against_the_floor(tmp_path):
+    """Sweep runs named <arm>_seed-<n> (SYNTHETIC): per run the final accuracy, the updates and
+    seconds to the first evaluation at the target; per arm over seeds; a paired gap."""
+    finals = {"base": [0.5, 0.6, 0.7], "twin": [0.52, 0.58, 0.74], "fast": [0.8, 0.9, 0.95]}
+    write_arm_runs(tmp_path, finals, varying="fast")
+    runs = analysis.load_runs(str(tmp_path / "*_seed-*"))
+    assert sorted({analysis.arm_of(r) for r in runs}) == ["base", "fast", "twin"]
+    table = analysis.arm_table(runs, target_accuracy=0.4)
+    assert table.loc[("base", 0), "accuracy_final"] == pytest.approx(0.5)
+    # base seed 0 reaches 0.4 at step 4 (0.25 at step 2); fast seed 0 at step 2 (0.4)
+    assert table.loc[("base", 0), "updates_to_target"] == 4
+    assert table.loc[("base", 0), "seconds_to_target"] == pytest.approx(41.0)
+    assert table.loc[("fast", 0), "updates_to_target"] == 2
+    assert table.loc[("fast", 1), "eta_mean"] == pytest.approx((0 + 1 + 2 + 0 + 1) / 5)
+    summary = analysis.arm_summary(table)
+    assert summary.loc["base", "accuracy_final_mean"] == pytest.approx(0.6)
+    assert summary.loc["base", "accuracy_final_std"] == pytest.approx(0.1)
+    assert summary.loc["fast", "updates_to_target_n"] == 3
+    gap = analysis.arm_gap(table, "base", "fast", "accuracy_final", floor=("base", "twin"))
+    assert gap["gap"] == pytest.approx((0.3 + 0.3 + 0.25) / 3) and gap["n"] == 3
+    assert gap["floor"] == pytest.approx((0.02 - 0.02 + 0.04) / 3) and gap["decided"]
+    twin = analysis.arm_gap(table, "base", "twin", "accuracy_final", floor=("base", "twin"))
+    assert not twin["decided"]
+    png = analysis.plot_arms(runs, out=tmp_path / "arms.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
 def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     import nbclient
     import nbformat
@@ -215,6 +260,9 @@ def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     (tmp_path / "staleness").mkdir()  # the study's plot is named after its directory
     study = write_study_csv(tmp_path / "staleness" / "results.csv")
     monkeypatch.setenv("TANDEM_STUDY_CSV", str(study))
+    finals = {"eta0": [0.5, 0.6], "eta0-ppo-clip": [0.5, 0.62], "adaptive": [0.6, 0.7]}
+    write_arm_runs(tmp_path / "adaptive", finals, varying="adaptive")
+    monkeypatch.setenv("TANDEM_ADAPTIVE_RUNS", str(tmp_path / "adaptive" / "*_seed-*"))
     nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
     assert "RUN_DIRS" in nb.cells[1].source and "parameters" in nb.cells[1].metadata["tags"]
     client = nbclient.NotebookClient(
@@ -227,10 +275,12 @@ def test_notebook_executes_headlessly(synthetic_runs, tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     for name in ("reward_vs_step", "reward_vs_time", "eval_vs_step", "eval_vs_time",
-                 "staleness", "idle", "throughput", "staleness_study"):  # fmt: skip
+                 "staleness", "idle", "throughput", "staleness_study",
+                 "adaptive_staleness"):  # fmt: skip
         assert_png(out / f"{name}.png")
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 8
+    assert len(images) == 9
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "synthetic-async" in html  # the run summary table
     assert "eval_accuracy" in html  # the sweep table found next to the runs
+    assert "accuracy_final_mean" in html  # the adaptive study's table per arm
