@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import os
 import shutil
@@ -119,17 +120,50 @@ def export_hf(
         print(f"note: no tokenizer (no {run_dir}/tokenizer, no --tokenizer)", file=sys.stderr)
     tensors = to_hf_tensors(mcfg, params, dtype=dtype)
     files = save_hf_tensors(mcfg, tensors, out_dir, tokenizer_dir=tokenizer_dir)
+    chat = tokenizer_dir is not None and prompts_use_chat(cfg, tok)
+    if tokenizer_dir is not None and not chat:
+        files = _drop_chat_template(out_dir, files)
     manifest = {
         "checkpoint": checkpoint_dir,
         "step": step,
         "version": meta.get("version"),
         "run": cfg.name,
+        "chat": chat,  # whether the run rendered its prompts with the chat template
         "files": sorted(files),
     }
     with open(os.path.join(out_dir, EXPORT_MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
         f.write("\n")
     return manifest
+
+
+def prompts_use_chat(cfg, tokenizer) -> bool:
+    """Whether a run of `cfg` rendered its prompts with the tokenizer's chat template."""
+    from rl.tasks.chat import chat_enabled
+
+    return chat_enabled(cfg.task.chat, tokenizer, preset=cfg.model.init != "hf")
+
+
+def _drop_chat_template(out_dir: str, files: list[str]) -> list[str]:
+    """Removes the chat template from an exported tokenizer (tokenizer_config.json's entry,
+    chat_template.* files): the model was trained on plain prompts and never saw it, and a
+    template would make chat-aware loaders (task.chat auto, vLLM's chat endpoint,
+    apply_chat_template) render prompts it was not trained on."""
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        if config.pop("chat_template", None) is not None:
+            with open(config_path, "w") as f:
+                json.dump(config, f, indent=2)
+                f.write("\n")
+    kept = []
+    for name in files:
+        if fnmatch.fnmatch(name, "chat_template.*"):
+            os.remove(os.path.join(out_dir, name))
+        else:
+            kept.append(name)
+    return kept
 
 
 def _architecture(mcfg) -> dict:

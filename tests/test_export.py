@@ -103,6 +103,31 @@ def test_export_matches_learner_logits(run_dir, hf_dir):
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
+def test_export_of_a_plain_prompt_run_has_no_chat_template(run_dir, hf_dir, tmp_path):
+    """The run trained on plain prompts (a preset): its export carries no chat template, so a
+    run from the export (task.chat auto) renders the very prompts the model was trained on."""
+    from transformers import AutoTokenizer
+
+    from rl import build
+
+    assert json.load(open(os.path.join(hf_dir, E.EXPORT_MANIFEST)))["chat"] is False
+    assert "chat_template" not in json.load(open(os.path.join(hf_dir, "tokenizer_config.json")))
+    assert AutoTokenizer.from_pretrained(hf_dir).chat_template is None
+    trained = C.load(os.path.join(run_dir, "config.yaml"))
+    assert build.make_tokenizer(trained, run_dir)[1].chat_template is not None  # the run's own
+    again = C.load(BASE, TINY + ["model.init=hf", f"model.path={hf_dir}"])
+    tasks = [
+        build.make_task(cfg, build.make_tokenizer(cfg, str(tmp_path / name))[1])
+        for name, cfg in (("trained", trained), ("again", again))
+    ]
+    try:
+        prompts = [[p.prompt for p in t.problems("eval", 8)] for t in tasks]
+        assert not any(t.chat for t in tasks) and prompts[0] == prompts[1]
+    finally:
+        for t in tasks:
+            t.close()
+
+
 def test_hf_to_orbax_resumes_training(run_dir, hf_dir, tmp_path):
     new_run = str(tmp_path / "imported")
     ckpt = os.path.join(new_run, "checkpoints")
