@@ -382,6 +382,37 @@ def test_arithmetic_sloppy_demonstrator():
         get_task("arithmetic", demo_error=1.5)
 
 
+def test_arithmetic_long_tailed_budgets():
+    """budget_min > 0: each problem carries a Pareto budget in [min, max] and ignore_eos; the
+    problems and splits are those of the task without budgets; the reward reads the first
+    answer, whatever follows it."""
+    plain = get_task("arithmetic", reverse_digits=True, demo_error=0.7)
+    task = get_task("arithmetic", reverse_digits=True, demo_error=0.7, budget_min=16)
+    problems = task.problems("train", 3000)
+    assert [(p.id, p.prompt, p.answer) for p in problems] == [
+        (p.id, p.prompt, p.answer) for p in plain.problems("train", 3000)
+    ]
+    assert (
+        all(p.meta["ignore_eos"] for p in problems)
+        and "ignore_eos" not in plain.problems("train", 1)[0].meta
+    )
+    b = [p.meta["max_new_tokens"] for p in problems]
+    assert min(b) == 16 and max(b) == 128
+    assert abs(sum(x > 32 for x in b) / len(b) - (16 / 32.5) ** 1.2) < 0.03  # Pareto(1.2) tail
+    p = problems[0]
+    right = plain.demonstration_answer(p.answer)
+    assert task.demonstration(p) == plain.demonstration(p)
+    assert task.reward(p, f"<answer>{right}</answer><eos>12 9<answer>0</answer>").correct
+    assert not plain.reward(p, f"<answer>{right}</answer>12").correct  # no budget: it must end
+    wrong = f"<answer>{int(right) + 1}</answer>"
+    assert task.reward(p, wrong + f"<answer>{right}</answer>").reward == pytest.approx(0.1)
+    assert task.reward(p, "xx <answer>12").reward == 0.0
+    with pytest.raises(ValueError, match="budget_min=200, budget_max=128"):
+        get_task("arithmetic", budget_min=200)
+    with pytest.raises(ValueError, match="budget_alpha must be > 0"):
+        get_task("arithmetic", budget_min=4, budget_alpha=0)
+
+
 @pytest.mark.parametrize("use_all", [False, True])
 def test_countdown_problems_and_demonstrations(use_all):
     task = get_task("countdown", use_all=use_all)

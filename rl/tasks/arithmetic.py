@@ -15,6 +15,7 @@ from rl.tasks.base import (
     as_tuple,
     check_common,
     extract_answer,
+    extract_first_answer,
     parse_int,
     register_task,
     sample_problems,
@@ -52,6 +53,13 @@ class ArithmeticTask:
     # the first answer digit one too high (9 -> 0). Above one half, a model that imitates it
     # answers wrong greedily while sampling the right answer often: what RL can correct.
     demo_error: float = 0.0
+    # Long-tailed generation: with budget_min > 0 every sample of a problem runs to that
+    # problem's own token budget, round(budget_min * Pareto(budget_alpha)) clipped to
+    # [budget_min, budget_max] (eos ignored, as a few long answers stall a synchronous step);
+    # the reward reads the completion's first answer, whatever the budget's rest holds.
+    budget_min: int = 0
+    budget_max: int = 128
+    budget_alpha: float = 1.2
 
     name: ClassVar[str] = "arithmetic"
     max_turns: ClassVar[int] = 1
@@ -70,6 +78,17 @@ class ArithmeticTask:
             raise ValueError(
                 f"arithmetic: demo_error must be a number in [0, 1], got {self.demo_error!r}"
             )
+        if not (
+            isinstance(self.budget_min, int)
+            and isinstance(self.budget_max, int)
+            and (self.budget_min == 0 or 1 <= self.budget_min <= self.budget_max)
+        ):
+            raise ValueError(
+                f"arithmetic: need budget_min 0 (off) or 1 <= budget_min <= budget_max, got "
+                f"budget_min={self.budget_min!r}, budget_max={self.budget_max!r}"
+            )
+        if not (isinstance(self.budget_alpha, (int, float)) and self.budget_alpha > 0):
+            raise ValueError(f"arithmetic: budget_alpha must be > 0, got {self.budget_alpha!r}")
         bad = [op for op in self.ops if op not in OPS]
         if not self.ops or bad:
             raise ValueError(f"arithmetic: ops {self.ops!r} invalid; choose from {tuple(OPS)}")
@@ -79,6 +98,11 @@ class ArithmeticTask:
         op = rng.choice(self.ops)
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         meta = {"a": a, "b": b, "op": op}
+        if self.budget_min:  # from the problem's own hash: the problems stay those without
+            u = unit_hash(f"{self.seed}:budget:{a}{op}{b}")
+            x = (1.0 - u) ** (-1.0 / self.budget_alpha)  # Pareto(alpha) by its inverse CDF
+            budget = int(min(self.budget_max, max(self.budget_min, round(self.budget_min * x))))
+            meta.update(max_new_tokens=budget, ignore_eos=True)
         return _key(meta), f"{a}{op}{b}=", str(OPS[op](a, b)), meta
 
     def split_key(self, problem: Problem) -> str:
@@ -91,7 +115,8 @@ class ArithmeticTask:
 
     def reward(self, problem: Problem, completion: str) -> RewardResult:
         """1.0 for the right integer in <answer></answer>, format_reward for another integer."""
-        content = extract_answer(completion)
+        first = extract_first_answer if self.budget_min else extract_answer
+        content = first(completion)
         if content is not None and self.reverse_digits:  # only a well-formed integer turns
             content = _reverse_digits(content.strip()) if parse_int(content) is not None else None
         value = None if content is None else parse_int(content)
@@ -100,7 +125,7 @@ class ArithmeticTask:
         got = score(value == int(problem.answer), True, self.format_reward)
         if got.correct or not self.digit_credit:
             return got
-        written = extract_answer(completion).strip()
+        written = first(completion).strip()
         want = self.demonstration_answer(problem.answer)
         right = sum(a == b for a, b in zip(written, want)) / max(len(written), len(want))
         return dataclasses.replace(got, reward=got.reward + self.digit_credit * right)

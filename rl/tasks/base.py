@@ -108,6 +108,21 @@ def extract_answer(completion: str) -> str | None:
     return extract_tagged(completion, ANSWER_OPEN, ANSWER_CLOSE, MAX_ANSWER_CHARS)
 
 
+def extract_first_answer(completion: str) -> str | None:
+    """Content of the first `<answer>...</answer>` of the completion, whatever follows it (a
+    generation that runs on to a fixed budget past its answer), else None."""
+    if not isinstance(completion, str) or len(completion) > MAX_COMPLETION_CHARS:
+        return None
+    start = completion.find(ANSWER_OPEN)
+    if start < 0:
+        return None
+    start += len(ANSWER_OPEN)
+    stop = completion.find(ANSWER_CLOSE, start)
+    if stop < 0 or stop - start > MAX_ANSWER_CHARS:
+        return None
+    return completion[start:stop]
+
+
 def parse_int(text: str) -> int | None:
     """An ASCII integer ('-12', surrounding spaces allowed), else None."""
     text = text.strip()
