@@ -453,7 +453,6 @@ def paired_gaps(
     b compute the same thing (an A/A pair); its mean gap is every row's noise floor, and a row is
     `decided` when its gap, two standard errors in, is beyond the floor's magnitude plus its
     own two standard errors."""
-    import numpy as np
     import pandas as pd
 
     cells: dict[tuple, float] = {}
@@ -469,11 +468,7 @@ def paired_gaps(
         gaps = [cells[(xv, b, s)] - cells[(xv, a, s)] for s in seeds if (xv, b, s) in cells]
         if not gaps:
             continue
-        g = np.asarray(gaps)
-        std = float(g.std(ddof=1)) if len(g) > 1 else float("nan")
-        rows.append(
-            {x: xv, "gap": float(g.mean()), "std": std, "se": std / np.sqrt(len(g)), "n": len(g)}
-        )
+        rows.append({x: xv, **_gap_stats(gaps)})
     out = pd.DataFrame(rows)
     if floor_at is not None and not out.empty:
         ref = out[out[x] == floor_at]
@@ -481,9 +476,25 @@ def paired_gaps(
             raise KeyError(f"no paired runs at {x}={floor_at!r} for the noise floor")
         floor, floor_se = float(ref["gap"].iloc[0]), float(ref["se"].iloc[0])
         out["floor"] = floor
-        out["decided"] = (out["gap"].abs() - 2 * out["se"]) > abs(floor) + 2 * floor_se
+        out["decided"] = _decided(out["gap"].abs(), out["se"], floor, floor_se)
         out.loc[out[x] == floor_at, "decided"] = False
     return out
+
+
+def _gap_stats(gaps) -> dict[str, float]:
+    """Paired gaps' mean, sample std (ddof 1), standard error and count."""
+    import numpy as np
+
+    g = np.asarray(gaps, dtype=float)
+    std = float(g.std(ddof=1)) if len(g) > 1 else float("nan")
+    mean = float(g.mean()) if len(g) else float("nan")
+    return {"gap": mean, "std": std, "se": std / np.sqrt(len(g)), "n": len(g)}
+
+
+def _decided(gap_abs, se, floor: float, floor_se: float):
+    """A gap is decided when, two standard errors in, it lies beyond the A/A floor's magnitude
+    plus two of the floor's standard errors."""
+    return (gap_abs - 2 * se) > abs(floor) + 2 * floor_se
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,27 +557,15 @@ def arm_gap(
     mean, sample std, standard error, n; and the same for the A/A pair `floor` (two arms that
     compute the same thing). `decided`: the gap, two standard errors in, lies beyond the
     floor's magnitude plus two of the floor's standard errors (as paired_gaps)."""
-    import numpy as np
 
-    def paired(x: str, y: str) -> tuple[float, float, float, int]:
+    def paired(x: str, y: str) -> dict[str, float]:
         both = table[column].unstack("arm")[[x, y]].dropna()
-        g = (both[y] - both[x]).to_numpy()
-        std = float(g.std(ddof=1)) if len(g) > 1 else float("nan")
-        return float(g.mean()) if len(g) else float("nan"), std, std / np.sqrt(len(g)), len(g)
+        return _gap_stats((both[y] - both[x]).to_numpy())
 
-    gap, std, se, n = paired(a, b)
-    f_gap, _, f_se, f_n = paired(*floor)
-    decided = bool(abs(gap) - 2 * se > abs(f_gap) + 2 * f_se)
-    return {
-        "gap": gap,
-        "std": std,
-        "se": se,
-        "n": n,
-        "floor": f_gap,
-        "floor_se": f_se,
-        "floor_n": f_n,
-        "decided": decided,
-    }
+    out, f = paired(a, b), paired(*floor)
+    out.update(floor=f["gap"], floor_se=f["se"], floor_n=f["n"])
+    out["decided"] = bool(_decided(abs(out["gap"]), out["se"], f["gap"], f["se"]))
+    return out
 
 
 def plot_arms(

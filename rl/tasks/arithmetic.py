@@ -27,6 +27,12 @@ from rl.tasks.expr import twin_key
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
+def pareto_budget_at(u: float, alpha: float, lo: int, hi: int) -> int:
+    """round(lo * Pareto(alpha)) at uniform u in [0, 1) (the inverse CDF, as
+    random.paretovariate draws it), clipped to [lo, hi]: most near lo, a heavy tail to hi."""
+    return int(min(hi, max(lo, round(lo * (1.0 - u) ** (-1.0 / alpha)))))
+
+
 def operand_range(digits: int) -> tuple[int, int]:
     """Inclusive range of numbers with exactly `digits` digits (1 digit: 0..9)."""
     return (0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
@@ -100,8 +106,7 @@ class ArithmeticTask:
         meta = {"a": a, "b": b, "op": op}
         if self.budget_min:  # from the problem's own hash: the problems stay those without
             u = unit_hash(f"{self.seed}:budget:{a}{op}{b}")
-            x = (1.0 - u) ** (-1.0 / self.budget_alpha)  # Pareto(alpha) by its inverse CDF
-            budget = int(min(self.budget_max, max(self.budget_min, round(self.budget_min * x))))
+            budget = pareto_budget_at(u, self.budget_alpha, self.budget_min, self.budget_max)
             meta.update(max_new_tokens=budget, ignore_eos=True)
         return _key(meta), f"{a}{op}{b}=", str(OPS[op](a, b)), meta
 

@@ -15,14 +15,14 @@ import dataclasses
 import random
 from typing import ClassVar
 
-from rl.tasks.arithmetic import operand_range
+from rl.tasks.arithmetic import operand_range, pareto_budget_at
 from rl.tasks.base import Problem, RewardResult, check_common, register_task, sample_problems
 from rl.tasks.expr import twin_key
 
 
 def pareto_budget(rng: random.Random, alpha: float, lo: int, hi: int) -> int:
     """round(lo * Pareto(alpha)) clipped to [lo, hi]: most budgets near lo, a heavy tail to hi."""
-    return int(min(hi, max(lo, round(lo * rng.paretovariate(alpha)))))
+    return pareto_budget_at(rng.random(), alpha, lo, hi)  # one draw, as paretovariate
 
 
 @register_task
