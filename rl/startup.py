@@ -109,6 +109,7 @@ class CompileCounter:
 
     _lock = threading.Lock()
     _totals: dict[str, float] = {}
+    _programs: dict[str, list[float]] = {}  # backend compilations by program: [count, seconds]
     _registered = False
 
     @classmethod
@@ -120,11 +121,15 @@ class CompileCounter:
                 return
             cls._registered = True
 
-        def on_duration(event: str, duration: float, **_) -> None:
+        def on_duration(event: str, duration: float, fun_name: str = "?", **_) -> None:
             if event in (_TRACE, _LOWER, _COMPILE, _SAVED):
                 with cls._lock:
                     cls._totals[event] = cls._totals.get(event, 0.0) + duration
                     cls._totals[event + "#n"] = cls._totals.get(event + "#n", 0.0) + 1
+                    if event == _COMPILE:
+                        n_s = cls._programs.setdefault(str(fun_name), [0.0, 0.0])
+                        n_s[0] += 1
+                        n_s[1] += duration
 
         def on_event(event: str, **_) -> None:
             if event in (_REQUESTS, _HITS):
@@ -137,6 +142,8 @@ class CompileCounter:
     def __init__(self):
         self._register()
         self._start = self.totals()
+        with self._lock:
+            self._start_programs = {k: tuple(v) for k, v in self._programs.items()}
 
     @classmethod
     def totals(cls) -> dict[str, float]:
@@ -154,6 +161,18 @@ class CompileCounter:
             "compile/cache_misses": requests - hits,
             "compile/cache_saved_s": t.get(_SAVED, 0.0),
         }
+
+    def programs_since_start(self) -> dict[str, list[float]]:
+        """Backend compilations since this counter was made, by program name: [count, seconds]
+        (a cache hit's load counts as its compilation), the slowest first."""
+        with self._lock:
+            now = {k: tuple(v) for k, v in self._programs.items()}
+        out = {}
+        for name, (n, sec) in now.items():
+            n0, s0 = self._start_programs.get(name, (0.0, 0.0))
+            if n > n0:
+                out[name] = [n - n0, round(sec - s0, 4)]
+        return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
 
     def since_start(self) -> dict[str, float]:
         """Counts and seconds since this counter was made. compile/seconds: tracing, lowering
@@ -197,19 +216,60 @@ class StartupClock:
         """The phases so far and this process's compilations, for a metrics row."""
         return {**self.phases, **self.compiles.since_start()}
 
-    def first_update(self, engine_stats: dict) -> dict[str, float]:
+    def first_update(self, engine_stats: dict, run_dir: str | None = None) -> dict[str, float]:
         """At this process's first update (the first call): the time since the process began
         and the compilations until then, here and in a rollout process of its own (its stats'
-        "compile"), as metrics and one progress line. Later calls: {}."""
+        "compile"), as metrics and one progress line; with run_dir, each program's compile
+        count and seconds in run_dir/compile.json. Later calls: {}."""
         if self._first_done:
             return {}
         self._first_done = True
         out = {"startup/first_update_s": process_age_s(), **self.compiles.since_start()}
         child = engine_stats.get("compile") or {}
         out.update({f"rollout_{k}": v for k, v in child.items()})
+        programs = self.compiles.programs_since_start()
+        child_programs = engine_stats.get("compile_programs") or {}
+        if run_dir is not None:
+            path = os.path.join(run_dir, "compile.json")
+            write_compile_report(path, {**self.phases, **out}, programs, child_programs)
         if self.progress:
-            print(summary_line(out["startup/first_update_s"], out, child), file=sys.stderr)
+            line = summary_line(out["startup/first_update_s"], out, child)
+            print(line + slowest_programs(programs, child_programs), file=sys.stderr)
         return out
+
+
+def write_compile_report(path: str, totals: dict, programs: dict, child_programs: dict) -> None:
+    """The compilations up to the first update, by process and program, as JSON."""
+    import json
+
+    report = {
+        "first_update_s": totals["startup/first_update_s"],
+        "phases": {k: v for k, v in totals.items() if k.startswith("startup/")},
+        "this_process": {"totals": _unprefixed(totals, "compile/"), "programs": programs},
+        "rollout_process": {
+            "totals": _unprefixed(totals, "rollout_compile/"),
+            "programs": child_programs,
+        },
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _unprefixed(d: dict, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in d.items() if k.startswith(prefix)}
+
+
+def slowest_programs(programs: dict, child_programs: dict, k: int = 3) -> str:
+    """ "; slowest: NAME S s (xN), ..." over both processes, for the first update's line."""
+    both = [(n, c, s) for n, (c, s) in programs.items()]
+    both += [(f"{n} (rollout)", c, s) for n, (c, s) in child_programs.items()]
+    both.sort(key=lambda t: -t[2])
+    if not both:
+        return ""
+    parts = [f"{n} {s:.1f} s" + (f" (x{c:.0f})" if c > 1 else "") for n, c, s in both[:k]]
+    return "; slowest: " + ", ".join(parts)
 
 
 def summary_line(first_update_s: float, compiled: dict, child: dict | None = None) -> str:

@@ -312,7 +312,11 @@ class Trainer:
                 row, stale = update_row(groups, batch, met, version)
                 row.update(meter.row(t_wait, t_sync), **buffer.metrics(), **buffer.sampled())
                 es = engine.stats()  # first_update: the time to this process's first update
-                row.update(engine_metrics(es), **self.task.stats(), **self.clock.first_update(es))
+                row.update(
+                    engine_metrics(es),
+                    **self.task.stats(),
+                    **self.clock.first_update(es, self.run_dir),
+                )
                 row.update(coord.adapt(row))  # the bound, and an adaptive run's next one
                 row["coordinator/redispatched"] = float(coord.redispatched)
                 row.update(self.learner.stats())

@@ -26,8 +26,12 @@ counter = startup.CompileCounter()
 x = jnp.arange(8.0)
 jax.jit(lambda a: a * 2 + 1)(x).block_until_ready()
 jax.jit(lambda a: jnp.sin(a).sum())(x).block_until_ready()
-jax.jit(lambda a: a @ a)(x).block_until_ready()
-print(json.dumps({"path": path, **counter.since_start()}))
+def dot(a):
+    return a @ a
+jax.jit(dot)(x).block_until_ready()
+jax.jit(dot)(x[:4]).block_until_ready()
+by_name = counter.programs_since_start()
+print(json.dumps({"path": path, **counter.since_start(), "by_name": by_name}))
 """
 
 
@@ -75,6 +79,8 @@ def test_second_process_loads_its_programs_from_the_cache(tmp_path):
     assert len(os.listdir(cold["path"])) >= 3
     warm = _process("auto", env)
     assert warm["compile/programs"] == cold["compile/programs"]
+    assert cold["by_name"]["jit(dot)"][0] == 2  # by program name: two shapes of one function
+    assert sum(n for n, _ in cold["by_name"].values()) == cold["compile/programs"]
     assert warm["compile/cache_hits"] == warm["compile/programs"]
     assert warm["compile/cache_misses"] == 0
 
@@ -114,3 +120,11 @@ def test_summary_line_names_both_processes():
     assert line.startswith("[tandem] first update 21.0 s after start; compiling 3.2 s here")
     assert "(12 programs, cache 10 hits / 2 misses)" in line
     assert "7.5 s in the rollout process (40 programs, cache 0 hits / 40 misses)" in line
+
+
+def test_slowest_programs_over_both_processes():
+    here = {"jit(update)": [1, 30.5], "jit(eval)": [4, 2.0]}
+    child = {"jit(decode)": [12, 6.25]}
+    line = startup.slowest_programs(here, child, k=2)
+    assert line == "; slowest: jit(update) 30.5 s, jit(decode) (rollout) 6.2 s (x12)"
+    assert startup.slowest_programs({}, {}) == ""

@@ -147,6 +147,18 @@ def test_run_directory(root, sync_run):
     assert rows[1]["compile/programs"] >= rows[0]["compile/programs"] > 0
     assert rows[1]["rollout_compile/programs"] > 0  # placement auto on a CPU: a process
     assert all("startup/first_update_s" not in r for r in rows[2:])
+    with open(os.path.join(root, "sync", "compile.json")) as f:  # the same, program by program
+        report = json.load(f)
+    assert report["first_update_s"] == first
+    assert all(report["phases"][f"startup/{p}"] == rows[0][f"startup/{p}"] for p in phases)
+    for side, key in (("this_process", "compile/"), ("rollout_process", "rollout_compile/")):
+        programs = report[side]["programs"]
+        assert sum(n for n, _ in programs.values()) == rows[1][key + "programs"]
+        assert sum(s for _, s in programs.values()) == pytest.approx(
+            rows[1][key + "compile_s"], abs=0.01
+        )
+        seconds = [s for _, s in programs.values()]
+        assert seconds == sorted(seconds, reverse=True)
     # the run learns something to compare: non-trivial losses and rewards
     assert any(abs(r["loss/pg_loss"]) > 1e-4 for r in rows[1:])
     assert any(r["reward/mean"] > 0 for r in rows[1:])

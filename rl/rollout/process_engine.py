@@ -81,7 +81,12 @@ def _child_main(conn, config, version, cores, engine_kwargs, xla_flags):
 
     def stats() -> dict:  # the engine's counters (busy time, tokens, installs, traces), compiles
         out = engine.stats() if engine is not None else {}
-        return {**out, "pid": os.getpid(), "compile": compiles.since_start()}
+        return {
+            **out,
+            "pid": os.getpid(),
+            "compile": compiles.since_start(),
+            "compile_programs": compiles.programs_since_start(),
+        }
 
     try:
         kind, flat = conn.recv()  # the initial params come over the pipe, not as spawn args
