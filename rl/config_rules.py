@@ -115,12 +115,6 @@ def check(cfg) -> None:
             f"'local' (the in-run JAX sampler), got engine {cfg.rollout.engine!r}, transport "
             f"{t.transport!r}"
         )
-    if cfg.rollout.vllm.weight_sync == "direct" and t.transport != "local":
-        raise ConfigError(
-            "rollout.vllm.weight_sync: invalid value 'direct' with trainer.transport "
-            f"{t.transport!r}; direct runs with transport 'local' only so far (the ray "
-            "transport's workers reload HF directories: use 'disk')"
-        )
     if t.partial == "inflight" and cfg.rollout.engine != "jax":
         raise ConfigError(
             "trainer.partial: invalid value 'inflight' with rollout.engine "

@@ -186,19 +186,31 @@ def vllm_local(cfg, learner, place, *, param_server=None, run_dir="", cache_len=
 def vllm_worker(name: str, model_config, path: str, version: int, options: dict, log_path: str):
     """A VLLMEngine over options['num_hosts'] vLLM servers launched on this worker's node,
     serving the published directory `path`. The servers die with the worker
-    (PR_SET_PDEATHSIG): a killed worker leaves no orphan."""
+    (PR_SET_PDEATHSIG): a killed worker leaves no orphan. With weight_sync 'direct' the
+    parameter server sends flat params, which this worker streams to its hosts (shared memory:
+    they are on its node); the directories it gets are what it starts on."""
     import tempfile
 
     from rl.rollout.vllm import launch_engine
 
     log_dir = os.path.dirname(log_path) if log_path else tempfile.gettempdir()
     logs = [os.path.join(log_dir, f"{name}-vllm-{i}.log") for i in range(options["num_hosts"])]
+    engine_options = dict(options["engine"])
+    direct = options.get("direct")
+    if direct is not None:
+        from models.params import abstract_params
+        from rl.rollout.weight_stream import WeightStreamer
+
+        template = abstract_params(model_config)[1]
+        engine_options["streamer"] = WeightStreamer(
+            direct["dtype"], delta=direct["delta"], template=template
+        )
     engine = launch_engine(
         path,
         logs,
         version=version,
         launch=options["launch"],
-        engine=options["engine"],
+        engine=engine_options,
         die_with_parent=True,
     )
     return engine, engine.hosts
@@ -206,10 +218,12 @@ def vllm_worker(name: str, model_config, path: str, version: int, options: dict,
 
 def vllm_worker_options(cfg, warm=None) -> dict:
     """What each Ray worker launches: hosts per worker, their launch and client options."""
+    v = cfg.rollout.vllm
     return {
-        "num_hosts": cfg.rollout.vllm.num_hosts,
+        "num_hosts": v.num_hosts,
         "launch": vllm_launch_options(cfg),
         "engine": vllm_engine_options(cfg),
+        "direct": {"dtype": v.dtype, "delta": v.delta} if v.weight_sync == "direct" else None,
     }
 
 

@@ -477,6 +477,7 @@ ENGINE_METRICS = {
     "batches": "transport/batches",
     "batch_mbytes": "transport/batch_mbytes",
     "updates": "rollout/weight_updates",
+    "streamed": "rollout/weight_updates_streamed",
     "traces": "rollout/compilations",
     "warm_traces": "rollout/compilations_warm",
     "slot_occupancy": "rollout/slot_occupancy",

@@ -128,12 +128,6 @@ def test_resolved_config_round_trips(tmp_path):
             ["trainer.partial=inflight", "rollout.engine=vllm"],
             ["trainer.partial", "'inflight'", "'vllm'", "drain, continue"],
         ),
-        # weights streamed to vLLM hosts: the local transport only so far
-        (
-            "",
-            ["rollout.engine=vllm", "rollout.vllm.weight_sync=direct", "trainer.transport=ray"],
-            ["rollout.vllm.weight_sync", "'direct'", "'ray'", "'disk'"],
-        ),
         # 16. packing with a per-sequence aggregation
         (
             "learner:\n  pack: true\nalgorithm:\n  aggregation: seq_mean_token_mean\n",

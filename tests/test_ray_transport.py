@@ -315,19 +315,28 @@ def test_two_learner_hosts_learn_in_lockstep_and_resume(cluster, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_path):
-    """A rollout worker actor launching and driving a real vLLM host (weights of a two-host
-    learner, gathered to its host 0 and published by the parameter server actor as HF
-    directories); SIGKILL of the host mid-run: the worker fails its health check, is replaced
-    (a new host), the lost groups are re-dispatched, and every finished episode is trained
-    exactly once."""
+@pytest.mark.parametrize(
+    "weight_sync,learner",
+    [
+        ("disk", ["learner.hosts=2", "learner.mesh.fsdp=2", "learner.mesh.tensor=2"]),
+        ("direct", []),
+    ],
+)
+def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(
+    cluster, tmp_path, weight_sync, learner
+):
+    """A rollout worker actor launching and driving a real vLLM host; SIGKILL of the host
+    mid-run: the worker fails its health check, is replaced (a new host), the lost groups are
+    re-dispatched, and every finished episode is trained exactly once. disk: the weights of a
+    two-host learner, gathered to its host 0 and published by the parameter server actor as HF
+    directories the host reloads; direct: the worker streams the flat params the parameter
+    server sends to its host, and the directories (a replacement's start) are written after."""
     total = 4
     cfg = _cfg(
         str(tmp_path),
         "vllm",
-        "learner.hosts=2",
-        "learner.mesh.fsdp=2",
-        "learner.mesh.tensor=2",
+        *learner,
+        f"rollout.vllm.weight_sync={weight_sync}",
         "rollout.engine=vllm",
         "rollout.vllm.ready_timeout_s=400",
         f"trainer.total_updates={total}",
@@ -352,10 +361,13 @@ def test_vllm_hosts_driven_by_a_ray_worker_survive_a_killed_host(cluster, tmp_pa
     assert seen["host_log"] == os.path.join(trainer.run_dir, "logs", "rollout-0-vllm-0.log")
     assert _gone(seen["host"])
     pids = {os.getpid(), *trainer.learner.pids, seen["pool"].param_server_pid, seen["worker"]}
-    assert len(pids) == 5  # driver, two learner hosts, parameter server, rollout worker
+    assert len(pids) == 3 + len(trainer.learner.pids)  # driver, learner host(s), param server,
+    assert len(trainer.learner.pids) == (2 if learner else 1)  # and the rollout worker
     rows = metric_rows(trainer.run_dir)
     assert [r["step"] for r in rows] == list(range(total + 1))  # the run completed
     last = rows[-1]
+    streamed = last["rollout/weight_updates_streamed"]  # by the replacement, live at the end
+    assert (streamed >= 1) if weight_sync == "direct" else streamed == 0, streamed
     assert last["rollout/restarts"] == 1 and last["rollout/workers_lost"] == 1
     assert "health check" in seen["pool"].lost[0] and "vLLM host" in seen["pool"].lost[0]
     trained = trained_episodes(trainer.run_dir)  # raises on any episode trained twice

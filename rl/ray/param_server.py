@@ -3,7 +3,9 @@
 The driver hands it (version, weights ref, the live rollout workers) and it has every worker
 install that version, in publication order (a Ray actor runs one call at a time, in the order
 they were sent); a worker lost meanwhile is skipped (its dispatcher replaces it on the newest
-weights). For vLLM workers it writes each version's HF directory (rl/param_server.py) first.
+weights). For vLLM workers it writes each version's HF directory (rl/param_server.py) first;
+with weight_sync 'direct' the workers stream the flat params to their hosts and the directory,
+the durable record a replacement worker starts on, is written after they serve (write()).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ class ParamServerActor:
         self.log_path = log_path
         redirect_output(log_path)
         self.server = None
+        self.direct = False  # vLLM workers take flat params (directories written after)
         if hf is not None:  # vLLM workers: each version becomes a published HF directory
             from models.params import abstract_params
             from rl.param_server import ParamServer
 
+            hf = dict(hf)
+            self.direct = bool(hf.pop("direct", False))
             config = hf.pop("config")
             self.template = abstract_params(config)[1]
             self.server = ParamServer(hf.pop("weights_dir"), config, **hf)
@@ -58,17 +63,19 @@ class ParamServerActor:
 
         weights[0] is the flat numpy params' ObjectRef; JAX workers install it from the object
         store, vLLM workers reload the HF directory written here from it ('weights' in the reply:
-        what a replacement worker starts on). A worker that died, fails its health check, or
-        leaves a ping unanswered for health_deadline_s (hung: it is killed here, so its
-        dispatcher replaces it at its next call) is skipped: its replacement starts on the newest
-        weights. Without this a hung worker would hold the version back, and admission with it.
-        A worker still `starting` (its constructor launches vLLM hosts and answers no ping) gets
-        the whole deadline_s.
+        what a replacement worker starts on) or, direct, stream it to their hosts ('weights'
+        empty: the caller has write() record the version once it is served). A worker that
+        died, fails its health check, or leaves a ping unanswered for health_deadline_s (hung:
+        it is killed here, so its dispatcher replaces it at its next call) is skipped: its
+        replacement starts on the newest weights. Without this a hung worker would hold the
+        version back, and admission with it. A worker still `starting` (its constructor launches
+        vLLM hosts and answers no ping) gets the whole deadline_s.
         """
         import ray
 
         t0 = time.perf_counter()
-        send = self.write(version, weights) if self.server is not None else weights[0]
+        disk = self.server is not None and not self.direct
+        send = self.write(version, weights) if disk else weights[0]
         refs = [w.update_weights.remote(version, send) for w in workers]
         install, skipped = 0.0, 0
         for i, (w, r) in enumerate(zip(workers, refs)):
@@ -109,5 +116,5 @@ class ParamServerActor:
             "install_s": install,
             "skipped": skipped,
             "total_s": time.perf_counter() - t0,
-            "weights": [send],
+            "weights": [] if self.direct else [send],
         }

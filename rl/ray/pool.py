@@ -95,6 +95,8 @@ class WorkerPool:
         self.task = dict(task)
         self.engine, self.engine_kwargs = engine, dict(engine_kwargs or {})
         self.hf_weights = hf is not None  # workers start from, and reload, published HF dirs
+        self.direct = bool(hf and hf.get("direct"))  # ...or take flat params, dirs written after
+        self._record_error: BaseException | None = None  # a served version's directory failed
         self.tokenizer_files = {}
         for fname in sorted(os.listdir(tokenizer_dir)):
             path = os.path.join(tokenizer_dir, fname)
@@ -373,6 +375,9 @@ class WorkerPool:
             if item is None:
                 return
             version, ref, (t0, t1, t2), handle = item
+            if self._record_error is not None:
+                handle.set_failed(self._record_error)
+                continue
             try:
                 with self._lock:  # a worker not yet ready (pid -1) is still starting
                     handles = [w.handle for w in self.workers]
@@ -383,9 +388,18 @@ class WorkerPool:
                     version, [ref], handles, deadline, health, starting
                 )
                 out = ray.get(call, timeout=deadline + 30)
-                while self.hf_weights:  # replacements started meanwhile on the previous directory
+                install_s = out["install_s"]
+                durable = self.hf_weights
+                if self.direct:  # served: the hosts have it; the directory is written after
+                    handle.set_served()
+                    durable = self._updates.empty()  # else the newer version queued is written
+                    if durable:
+                        write = self.param_server.write.remote(version, [ref])
+                        out = {"weights": [ray.get(write, timeout=deadline + 30)]}
+                path = out["weights"][0] if durable else None
+                while durable:  # replacements started meanwhile on the previous directory
                     with self._lock:
-                        self.weights_ref, self.version = out["weights"][0], version
+                        self.weights_ref, self.version = path, version
                         missed = [w for w in self.workers if w.handle not in handles]
                     if not missed:
                         break
@@ -403,15 +417,19 @@ class WorkerPool:
                     {
                         "flatten_s": t1 - t0,
                         "send_s": t2 - t1,
-                        "install_s": out["install_s"],
+                        "install_s": install_s,
                         "total_s": time.perf_counter() - t0,
                     }
                 )
             except BaseException as e:  # noqa: BLE001 - the learner hears of it
                 err = RolloutWorkerError(f"weight update to version {version} failed: {e!r}")
-                handle.set_failed(err)
+                if handle.done():  # served, then its durable copy failed: the next update hears
+                    self._record_error = err
+                else:
+                    handle.set_failed(err)
                 continue
-            handle.set_served()
+            if not handle.done():
+                handle.set_served()
 
     def _all(self, method: str, timeout: float) -> list:
         import ray
@@ -437,6 +455,7 @@ class WorkerPool:
     def stats(self) -> dict:
         """Counters summed over the live workers, plus the pool's own (workers, restarts, ...)."""
         keys = ("busy_s", "tokens", "generate_calls", "traces", "install_s", "updates")
+        keys += ("streamed",)  # vLLM workers: updates streamed to their hosts (direct)
         # JAX workers: compilations before serving, slot occupancy's counts
         keys += ("warm_traces", "slot_steps", "useful_steps")
         out: dict = dict.fromkeys(keys, 0)
@@ -518,6 +537,7 @@ def worker_pool(
             "tokenizer_dir": os.path.abspath(tokenizer_dir),
             "keep": 3,
             "hf_overrides": {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id},
+            "direct": cfg.rollout.vllm.weight_sync == "direct",
         }
     return WorkerPool(
         weights,

@@ -142,6 +142,7 @@ class VLLMEngine:
         self._abort_epoch = 0
         self.clock = BusyClock()
         self.updates = 0
+        self.streamed = 0  # of those, streamed (weight_sync direct) rather than reloaded
         self.sync_s = 0.0
         self.refused: list[str] = []  # published directories refused (and written again)
         self._rr = 0
@@ -483,6 +484,7 @@ class VLLMEngine:
         return {
             **self.clock.snapshot(),
             "updates": self.updates,
+            "streamed": self.streamed,
             "install_s": self.sync_s,
             "sync_s": self.sync_s,
             "hosts_healthy": healthy,
@@ -616,6 +618,7 @@ class VLLMEngine:
                 sent: dict[str, dict] = {}
                 self._update_all(version, lambda st, host: self._stream(st, host, prepared, sent))
                 self.streamer.finish(prepared, served=True)
+                self.streamed += 1
                 took = time.monotonic() - t0  # the encoding included
                 self.last_update = {
                     "version": version,
