@@ -11,6 +11,11 @@ their metrics. A sweep file:
     seeds: [0, 1]                       # every run repeated per seed (empty: the config's)
     metrics: [eval/accuracy, reward/mean]
 
+A study of several settings (each its own base and overrides) is a file of parts, other sweep
+files run one after another, each into its own output directory:
+
+    parts: [setting-a.yaml, setting-b.yaml]
+
 Runs go one at a time by default, `--parallel N` at once as local processes, or with `--ray` as
 Ray tasks (each reserving `--ray-cpus` CPUs, at most `--parallel` at once) on a local cluster or
 the one `--ray-address` / RAY_ADDRESS names; on a multi-node cluster OUT must be on a filesystem
@@ -66,6 +71,12 @@ class SweepFile:
         "run",
         "run: each run's seeds one after another; seed: every run's first seed, then every "
         "run's second... (runs compared on wall clock then share the machine's drift)",
+    )
+    parts: list[str] = F(
+        [],
+        "other sweep files (paths from cwd or this file's directory), run one after another, "
+        "each into <run_root>/<its name>/ (OUT/<its name>/ with --out); a file of parts has no "
+        "other keys",
     )
 
 
@@ -248,8 +259,7 @@ def _from_dict(data: Any, path: str) -> Sweep:
     return Sweep(path, name, base, common, runs, list(spec.metrics), base_cfg.seed)
 
 
-def load(path: str) -> Sweep:
-    """Loads and validates a sweep YAML file."""
+def _read(path: str) -> Any:
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -257,7 +267,44 @@ def load(path: str) -> Sweep:
         raise C.ConfigError(f"{path}: sweep file not found") from None
     except yaml.YAMLError as e:
         raise C.ConfigError(f"{path}: not valid YAML: {e}") from None
-    return from_dict(data if data is not None else {}, path)
+    return data if data is not None else {}
+
+
+def load(path: str) -> Sweep:
+    """Loads and validates a sweep YAML file (one without parts)."""
+    sweeps = load_all(path)
+    if len(sweeps) != 1 or sweeps[0].path != path:
+        raise C.ConfigError(f"{path}: a file of parts; load it with load_all")
+    return sweeps[0]
+
+
+def load_all(path: str) -> list[Sweep]:
+    """The sweeps a file stands for: itself, or each of its parts (validated before any runs)."""
+    data = _read(path)
+    if not (isinstance(data, dict) and "parts" in data):
+        return [from_dict(data, path)]
+    extra = sorted(set(data) - {"parts"})
+    if extra:
+        raise C.ConfigError(f"{path}: {extra[0]}: a file of parts has no other keys")
+    parts = data["parts"]
+    if not (isinstance(parts, list) and parts and all(isinstance(p, str) for p in parts)):
+        raise C.ConfigError(f"{path}: parts: expected a list of sweep files, got {parts!r}")
+    sweeps = []
+    for i, part in enumerate(parts):
+        try:
+            part_path = _resolve_base(part, path)
+        except C.ConfigError:
+            raise C.ConfigError(f"{path}: parts[{i}]: sweep file {part!r} not found") from None
+        sub = _read(part_path)
+        if isinstance(sub, dict) and "parts" in sub:
+            raise C.ConfigError(f"{path}: parts[{i}]: {part!r} has parts itself (one level only)")
+        sweeps.append(from_dict(sub, part_path))
+    names = [s.name for s in sweeps]
+    if len(set(names)) != len(names):
+        raise C.ConfigError(
+            f"{path}: parts: two parts share a name ({names}): their runs would mix"
+        )
+    return sweeps
 
 
 def command(sweep: Sweep, run: RunSpec, run_dir: str, *, resume: bool = False) -> list[str]:
@@ -610,18 +657,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray_cpus <= 0:
         parser.error(f"--ray-cpus {args.ray_cpus}: must be > 0")
     try:
-        sweep = load(args.config)
-        out = args.out or os.path.join(
-            C.load(sweep.base, [set_arg(k, v) for k, v in sweep.common.items()]).run_root,
-            sweep.name,
-        )
+        sweeps = load_all(args.config)
+        parts = len(sweeps) > 1 or sweeps[0].path != args.config
+        outs = []
+        for sweep in sweeps:
+            root = C.load(sweep.base, [set_arg(k, v) for k, v in sweep.common.items()]).run_root
+            out = args.out or os.path.join(root, sweep.name)
+            outs.append(os.path.join(out, sweep.name) if parts and args.out else out)
     except C.ConfigError as e:
         print(f"sweep config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        for run in sweep.runs:
-            run_dir = os.path.abspath(os.path.join(out, run.name))
-            print(shlex.join(command(sweep, run, run_dir)))
+        for sweep, out in zip(sweeps, outs):
+            for run in sweep.runs:
+                run_dir = os.path.abspath(os.path.join(out, run.name))
+                print(shlex.join(command(sweep, run, run_dir)))
         return 0
     started_ray = False
     if args.ray:
@@ -631,17 +681,23 @@ def main(argv: list[str] | None = None) -> int:
             address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
             started_ray = True
+    ok = True
     try:
-        rows = run_sweep(
-            sweep, out, parallel=args.parallel, ray_cpus=args.ray_cpus if args.ray else None
-        )
+        for sweep, out in zip(sweeps, outs):
+            rows = run_sweep(
+                sweep, out, parallel=args.parallel, ray_cpus=args.ray_cpus if args.ray else None
+            )
+            print()
+            if parts:
+                print(f"## {sweep.name}\n")
+            print(markdown_table(rows), end="")
+            results = f"{os.path.join(out, 'results.csv')}, {os.path.join(out, 'results.md')}"
+            print(f"\nresults: {results}")
+            ok = ok and all(r["status"] == "ok" for r in rows)
     finally:
         if started_ray:
             ray.shutdown()
-    print()
-    print(markdown_table(rows), end="")
-    print(f"\nresults: {os.path.join(out, 'results.csv')}, {os.path.join(out, 'results.md')}")
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -60,12 +60,56 @@ SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
 
 @pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
 def test_every_sweep_file_expands_to_valid_configs(path):
-    sw = S.load(path)
-    assert sw.runs
-    for run in sw.runs:
-        cmd = S.command(sw, run, f"/tmp/out/{run.name}")
-        cfg = C.load(cmd[cmd.index("--config") + 1], _sets(cmd))
-        assert cfg.name == f"{sw.name}/{run.name}"
+    for sw in S.load_all(path):
+        assert sw.runs
+        for run in sw.runs:
+            cmd = S.command(sw, run, f"/tmp/out/{run.name}")
+            cfg = C.load(cmd[cmd.index("--config") + 1], _sets(cmd))
+            assert cfg.name == f"{sw.name}/{run.name}"
+
+
+def test_adaptive_staleness_study_is_both_settings():
+    path = os.path.join(ROOT, "configs", "sweeps", "adaptive-staleness-study.yaml")
+    parts = S.load_all(path)
+    assert [p.name for p in parts] == ["adaptive-staleness", "adaptive-staleness-longtail"]
+    assert all(len(p.runs) == 8 * 5 for p in parts)  # 6 fixed eta, adaptive, A/A; 5 seeds
+
+
+def test_parts_run_one_after_another_into_their_own_directories(tmp_path, capsys):
+    a = _write(tmp_path, {"base": BASE, "runs": [{"name": "x"}], "seeds": [0]}, "a.yaml")
+    b = {"base": BASE, "name": "bee", "runs": [{"name": "y", "optim.lr": 1e-3}]}
+    _write(tmp_path, b, "b.yaml")
+    study = _write(tmp_path, {"parts": [os.path.basename(a), "b.yaml"]}, "study.yaml")
+    assert [s.name for s in S.load_all(study)] == ["a", "bee"]
+    assert S.load_all(a)[0].name == "a"  # a plain file is its own one part
+    with pytest.raises(C.ConfigError, match="a file of parts; load it with load_all"):
+        S.load(study)
+    out = tmp_path / "o"
+    assert S.main(["--config", study, "--out", str(out), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    run_dirs = [line.split("--run-dir ")[1].split()[0] for line in lines]
+    assert run_dirs == [str(out / "a" / "x_seed-0"), str(out / "bee" / "y")]
+    assert "optim.lr=0.001" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"parts": ["a.yaml"], "seeds": [1]}, "seeds: a file of parts has no other keys"),
+        ({"parts": []}, "parts: expected a list of sweep files"),
+        ({"parts": ["nope.yaml"]}, r"parts\[0\]: sweep file 'nope.yaml' not found"),
+        ({"parts": ["nested.yaml"]}, r"parts\[0\]: 'nested.yaml' has parts itself"),
+        ({"parts": ["a.yaml", "a.yaml"]}, "two parts share a name"),
+        ({"parts": ["bad.yaml"]}, "bad.yaml: grdi: unknown key"),
+    ],
+)
+def test_parts_errors(tmp_path, data, message):
+    _write(tmp_path, {"base": BASE}, "a.yaml")
+    _write(tmp_path, {"parts": ["a.yaml"]}, "nested.yaml")
+    _write(tmp_path, {"base": BASE, "grdi": {}}, "bad.yaml")
+    path = _write(tmp_path, data, "study.yaml")
+    with pytest.raises(C.ConfigError, match=message):
+        S.load_all(path)
 
 
 def test_smoke_sweep_is_tiny():
