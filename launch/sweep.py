@@ -270,19 +270,24 @@ def _read(path: str) -> Any:
     return data if data is not None else {}
 
 
+def _has_parts(data: Any) -> bool:
+    return isinstance(data, dict) and "parts" in data
+
+
 def load(path: str) -> Sweep:
     """Loads and validates a sweep YAML file (one without parts)."""
-    sweeps = load_all(path)
-    if len(sweeps) != 1 or sweeps[0].path != path:
-        raise C.ConfigError(f"{path}: a file of parts; load it with load_all")
-    return sweeps[0]
-
-
-def load_all(path: str) -> list[Sweep]:
-    """The sweeps a file stands for: itself, or each of its parts (validated before any runs)."""
     data = _read(path)
-    if not (isinstance(data, dict) and "parts" in data):
-        return [from_dict(data, path)]
+    if _has_parts(data):
+        raise C.ConfigError(f"{path}: a file of parts; load it with load_all")
+    return from_dict(data, path)
+
+
+def load_all(path: str) -> tuple[list[Sweep], bool]:
+    """The sweeps a file stands for, validated before any runs, and whether they are its parts
+    (else the one sweep is the file itself)."""
+    data = _read(path)
+    if not _has_parts(data):
+        return [from_dict(data, path)], False
     extra = sorted(set(data) - {"parts"})
     if extra:
         raise C.ConfigError(f"{path}: {extra[0]}: a file of parts has no other keys")
@@ -296,7 +301,7 @@ def load_all(path: str) -> list[Sweep]:
         except C.ConfigError:
             raise C.ConfigError(f"{path}: parts[{i}]: sweep file {part!r} not found") from None
         sub = _read(part_path)
-        if isinstance(sub, dict) and "parts" in sub:
+        if _has_parts(sub):
             raise C.ConfigError(f"{path}: parts[{i}]: {part!r} has parts itself (one level only)")
         sweeps.append(from_dict(sub, part_path))
     names = [s.name for s in sweeps]
@@ -304,7 +309,7 @@ def load_all(path: str) -> list[Sweep]:
         raise C.ConfigError(
             f"{path}: parts: two parts share a name ({names}): their runs would mix"
         )
-    return sweeps
+    return sweeps, True
 
 
 def command(sweep: Sweep, run: RunSpec, run_dir: str, *, resume: bool = False) -> list[str]:
@@ -657,13 +662,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray_cpus <= 0:
         parser.error(f"--ray-cpus {args.ray_cpus}: must be > 0")
     try:
-        sweeps = load_all(args.config)
-        parts = len(sweeps) > 1 or sweeps[0].path != args.config
+        sweeps, parts = load_all(args.config)
         outs = []
         for sweep in sweeps:
-            root = C.load(sweep.base, [set_arg(k, v) for k, v in sweep.common.items()]).run_root
-            out = args.out or os.path.join(root, sweep.name)
-            outs.append(os.path.join(out, sweep.name) if parts and args.out else out)
+            if args.out:
+                outs.append(os.path.join(args.out, sweep.name) if parts else args.out)
+            else:
+                cfg = C.load(sweep.base, [set_arg(k, v) for k, v in sweep.common.items()])
+                outs.append(os.path.join(cfg.run_root, sweep.name))
     except C.ConfigError as e:
         print(f"sweep config error: {e}", file=sys.stderr)
         return 2

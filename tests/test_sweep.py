@@ -60,7 +60,7 @@ SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
 
 @pytest.mark.parametrize("path", SWEEPS, ids=os.path.basename)
 def test_every_sweep_file_expands_to_valid_configs(path):
-    for sw in S.load_all(path):
+    for sw in S.load_all(path)[0]:
         assert sw.runs
         for run in sw.runs:
             cmd = S.command(sw, run, f"/tmp/out/{run.name}")
@@ -70,7 +70,8 @@ def test_every_sweep_file_expands_to_valid_configs(path):
 
 def test_adaptive_staleness_study_is_both_settings():
     path = os.path.join(ROOT, "configs", "sweeps", "adaptive-staleness-study.yaml")
-    parts = S.load_all(path)
+    parts, is_parts = S.load_all(path)
+    assert is_parts
     assert [p.name for p in parts] == ["adaptive-staleness", "adaptive-staleness-longtail"]
     assert all(len(p.runs) == 8 * 5 for p in parts)  # 6 fixed eta, adaptive, A/A; 5 seeds
 
@@ -80,8 +81,10 @@ def test_parts_run_one_after_another_into_their_own_directories(tmp_path, capsys
     b = {"base": BASE, "name": "bee", "runs": [{"name": "y", "optim.lr": 1e-3}]}
     _write(tmp_path, b, "b.yaml")
     study = _write(tmp_path, {"parts": [os.path.basename(a), "b.yaml"]}, "study.yaml")
-    assert [s.name for s in S.load_all(study)] == ["a", "bee"]
-    assert S.load_all(a)[0].name == "a"  # a plain file is its own one part
+    sweeps, is_parts = S.load_all(study)
+    assert [s.name for s in sweeps] == ["a", "bee"] and is_parts
+    (plain,), is_parts = S.load_all(a)  # a plain file is its own one sweep
+    assert plain.name == "a" and not is_parts
     with pytest.raises(C.ConfigError, match="a file of parts; load it with load_all"):
         S.load(study)
     out = tmp_path / "o"

@@ -428,8 +428,7 @@ class WorkerPool:
                 else:
                     handle.set_failed(err)
                 continue
-            if not handle.done():
-                handle.set_served()
+            handle.set_served()  # a no-op where the direct path set it already
 
     def _all(self, method: str, timeout: float) -> list:
         import ray
