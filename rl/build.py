@@ -221,6 +221,7 @@ def make_eval_engine(cfg: C.RunConfig, learner: Learner, warm=None):
         max_batch=cfg.rollout.batch_size,
         deadline_s=cfg.trainer.deadline_s,
         warm=warm,
+        gemm_autotune=cfg.trainer.gemm_autotune,
     )
 
 

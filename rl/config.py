@@ -404,6 +404,12 @@ class TrainerSection:
         "($JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tandem/jax; off, with a warning, "
         "where it cannot be created), off, or a directory",
     )
+    gemm_autotune: bool = F(
+        False,
+        "GPU only: XLA's default GEMMs (Triton kernels, each new matmul shape autotuned on the "
+        "device, once per shape with the compile cache); false: cuBLAS without autotuning, "
+        "which compiles several times faster (docs/benchmarks.md#start-up-on-one-h100)",
+    )
 
 
 @dataclasses.dataclass

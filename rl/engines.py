@@ -79,6 +79,7 @@ def jax_local(cfg, learner, place, *, param_server=None, run_dir="", cache_len=N
         deadline_s=t.deadline_s,
         update_mode=t.partial,
         warm=warm,
+        gemm_autotune=t.gemm_autotune,
     )
     if cfg.rollout.batch_invariant:
         options["cache_len"] = cache_len
@@ -125,6 +126,7 @@ def jax_worker_options(cfg, warm=None) -> dict:
         "deadline_s": cfg.trainer.deadline_s,
         "update_mode": cfg.trainer.partial,
         "warm": warm,
+        "gemm_autotune": cfg.trainer.gemm_autotune,
     }
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from models import sharding as msh
 from models.attention import segment_lengths
-from rl import distributed
+from rl import distributed, startup
 from rl.algorithms import losses as L
 from rl.logprobs import token_logprobs
 from rl.rollout.base import Weights
@@ -274,10 +274,14 @@ class Learner:
         step_cfg: StepConfig = StepConfig(),
         version: int = 0,
         ckpt=None,
+        gemm_autotune: bool = False,
     ):
-        """ckpt: the Checkpointer its save / restore go through (rl.checkpoint)."""
+        """ckpt: the Checkpointer its save / restore go through (rl.checkpoint);
+        gemm_autotune: trainer.gemm_autotune (XLA's autotuned GEMMs on a GPU)."""
         self.ckpt = ckpt
         self.mesh = mesh if mesh is not None else msh.make_mesh(devices=jax.devices()[:1])
+        platform = self.mesh.devices.flat[0].platform
+        self.compiler_options = startup.gemm_options(gemm_autotune, platform)
         self.step_cfg = step_cfg
         self.version = version
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -399,6 +403,7 @@ class Learner:
             in_shardings=(self.state_sharding, batch_sharding),
             out_shardings=(self.state_sharding, None),
             donate_argnums=(0,),
+            compiler_options=self.compiler_options,
         )
 
     def _compile_logp(self):
@@ -415,6 +420,7 @@ class Learner:
             logp,
             in_shardings=(self.state_sharding, _batch_sharding(self.mesh)),
             out_shardings=replicated,  # every host reads the whole [B, T] back
+            compiler_options=self.compiler_options,
         )
 
     # -- public ---------------------------------------------------------------------------

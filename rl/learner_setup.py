@@ -177,5 +177,12 @@ def make_learner(cfg: C.RunConfig, vocab_size: int, devices, run_dir: str):
         keep=cfg.trainer.keep_checkpoints,
         async_save=cfg.trainer.async_checkpoint,
     )
-    learner = Learner(model, rl_optimizer(cfg), mesh=mesh, step_cfg=rl_step_cfg(cfg), ckpt=ckpt)
+    learner = Learner(
+        model,
+        rl_optimizer(cfg),
+        mesh=mesh,
+        step_cfg=rl_step_cfg(cfg),
+        ckpt=ckpt,
+        gemm_autotune=cfg.trainer.gemm_autotune,
+    )
     return mesh, learner, ckpt

@@ -137,6 +137,7 @@ def replay(run_dir: str, work_dir: str | None = None, log=print) -> int:
         deadline_s=cfg.trainer.deadline_s,
         update_mode=cfg.trainer.partial,
         cache_len=row_len,
+        gemm_autotune=cfg.trainer.gemm_autotune,
     )
     needed: dict[int, int] = {}  # version -> the last update whose groups use it
     for s in schedule:

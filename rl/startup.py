@@ -31,6 +31,21 @@ _HITS = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
 
 
+# XLA's GEMMs on a GPU without autotuning: cuBLAS at its heuristics' choice. XLA's default
+# compiles Triton GEMM candidates for each new matmul shape and times them on the device, which
+# made most of a small model's compile time (docs/benchmarks.md#start-up-on-one-h100).
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+
+
+def gemm_options(autotune: bool, platform: str, base: dict | None = None) -> dict | None:
+    """compiler_options of a program on `platform` (trainer.gemm_autotune): `base`, plus
+    cuBLAS GEMMs without autotuning on a GPU unless `autotune`. None where nothing is set."""
+    out = dict(base or {})
+    if platform == "gpu" and not autotune:
+        out.update(CUBLAS_GEMMS)
+    return out or None
+
+
 def default_cache_dir() -> str:
     """$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/tandem/jax (~/.cache/...)."""
     if os.environ.get(ENV_DIR):  # absolute: a relative one would move with the working dir
@@ -273,9 +288,10 @@ def slowest_programs(programs: dict, child_programs: dict, k: int = 3) -> str:
 
 
 def summary_line(first_update_s: float, compiled: dict, child: dict | None = None) -> str:
-    """The progress line of the first update: time since the process started, and compiles."""
+    """The progress line of the first update: time since the process started, and compiles
+    (their seconds summed: the sampler's warm-up compiles several at once)."""
     line = (
-        f"[tandem] first update {first_update_s:.1f} s after start; compiling "
+        f"[tandem] first update {first_update_s:.1f} s after start; compile time "
         f"{compiled['compile/seconds']:.1f} s here ({compiled['compile/programs']:.0f} programs, "
         f"cache {compiled['compile/cache_hits']:.0f} hits / "
         f"{compiled['compile/cache_misses']:.0f} misses)"

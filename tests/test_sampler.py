@@ -24,6 +24,7 @@ from rl.rollout.jax_engine import JaxEngine, Warm
 from rl.rollout.sampling import SAMPLE_BLOCK, process_logits
 from rl.rollout.sampling import key_data as _key_data
 from rl.rollout.sampling import sample as _sample
+from rl.startup import CompileCounter
 from rl.tasks import ArithmeticTask
 from rl.types import Episode
 
@@ -238,6 +239,7 @@ def test_warm_compiles_every_program_serving_uses(model, kind):
     # (prompt bucket <= cache length, size): 8 x 4.
     assert n == (7 if kind == "batch-invariant" else 3 + 6 + 12 + 32)
     warmed = eng.traces
+    serving = CompileCounter()  # the programs warm compiled concurrently serve: none compiles
     for rnd in range(2):  # an idle engine's second round starts from the cache it left
         reqs = [
             _req(f"w{rnd}-{i}", _prompt(i, 1 + 2 * i), max_new_tokens=5 + 3 * i, seed=i)
@@ -246,6 +248,9 @@ def test_warm_compiles_every_program_serving_uses(model, kind):
         out = eng.generate(reqs[::-1] if rnd else reqs)
         assert sorted(len(g.token_ids) for g in out) == [5 + 3 * i for i in range(10)]
     assert eng.traces == warmed
+    compiled = serving.programs_since_start()
+    engine_programs = ("prefill", "insert", "relayout", "decode")
+    assert not [p for p in compiled if any(f"_{name}_impl" in p for name in engine_programs)]
     eng.close()
     demand = JaxEngine(model, chunk=4)
     assert demand.warm(prompt_len=20, max_new_tokens=40) == 0

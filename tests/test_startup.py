@@ -117,7 +117,7 @@ def test_summary_line_names_both_processes():
     child = {"compile/seconds": 7.5, "compile/programs": 40, "compile/cache_hits": 0}
     child["compile/cache_misses"] = 40
     line = startup.summary_line(21.04, here, child)
-    assert line.startswith("[tandem] first update 21.0 s after start; compiling 3.2 s here")
+    assert line.startswith("[tandem] first update 21.0 s after start; compile time 3.2 s here")
     assert "(12 programs, cache 10 hits / 2 misses)" in line
     assert "7.5 s in the rollout process (40 programs, cache 0 hits / 40 misses)" in line
 
@@ -128,3 +128,25 @@ def test_slowest_programs_over_both_processes():
     line = startup.slowest_programs(here, child, k=2)
     assert line == "; slowest: jit(update) 30.5 s, jit(decode) (rollout) 6.2 s (x12)"
     assert startup.slowest_programs({}, {}) == ""
+
+
+def test_gemm_options_by_platform_and_setting():
+    """trainer.gemm_autotune: cuBLAS without autotuning on a GPU unless asked; nothing set
+    elsewhere; a program's own options kept. XLA knows the option names (a misspelt one fails
+    to compile), checked by compiling with the GPU's options here."""
+    import jax
+    import jax.numpy as jnp
+
+    assert startup.gemm_options(False, "cpu") is None
+    assert startup.gemm_options(False, "tpu") is None
+    assert startup.gemm_options(False, "gpu") == startup.CUBLAS_GEMMS
+    assert startup.gemm_options(True, "gpu") is None
+    base = {"xla_gpu_enable_triton_gemm": False}
+    assert startup.gemm_options(True, "gpu", base) == base
+    assert startup.gemm_options(False, "gpu", base) == startup.CUBLAS_GEMMS
+    x = jnp.eye(4)
+    f = jax.jit(lambda a: a @ a, compiler_options=startup.gemm_options(False, "gpu"))
+    assert float(f(x).sum()) == 4.0
+    typo = {"xla_gpu_enable_triton_gem": False}
+    with pytest.raises(Exception, match="xla_gpu_enable_triton_gem"):
+        jax.jit(lambda a: a @ a, compiler_options=typo)(x)

@@ -138,7 +138,13 @@ def bench_learner(args) -> dict:
     print(f"model init: {time.perf_counter() - t0:.1f} s ({cfg.num_params / 1e6:.1f} M params)")
     total = args.warmup + args.steps
     tx = make_optimizer(1e-6, total_steps=total)
-    learner = Learner(model, tx, mesh=mesh, step_cfg=StepConfig(logprob_chunk=chunk))
+    learner = Learner(
+        model,
+        tx,
+        mesh=mesh,
+        step_cfg=StepConfig(logprob_chunk=chunk),
+        gemm_autotune=args.gemm_autotune,
+    )
     batch = synthetic_batch(cfg.vocab_size, B, T, seed=args.seed)
     if args.segments == "none":  # rows are unpacked: drop the segment mask
         batch = {k: v for k, v in batch.arrays().items() if k != "segment_ids"}
@@ -217,7 +223,12 @@ def _compile_times(learner, batch, args) -> dict:
     out = {}
     add = lambda prefix, times: out.update({f"{prefix}_{k}": v for k, v in times.items()})
     add("learner", _compile("learner update", lambda: learner.lower_update(batch)))
-    engine = JaxEngine(learner.model, max_batch=args.batch, chunk=args.decode_chunk)
+    engine = JaxEngine(
+        learner.model,
+        max_batch=args.batch,
+        chunk=args.decode_chunk,
+        gemm_autotune=args.gemm_autotune,
+    )
     try:
         C, S = engine.max_batch, length_bucket(args.seq, LEN_BUCKETS)
         add("decode", _compile("sampler decode chunk", lambda: engine.programs.lower_decode(C, S)))
@@ -357,6 +368,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode-chunk", type=int, default=16, help="decode steps per chunk (--compile-only)"
+    )
+    p.add_argument(
+        "--gemm-autotune",
+        action="store_true",
+        help="GPU: XLA's autotuned Triton GEMMs (trainer.gemm_autotune); default cuBLAS",
     )
     return p
 

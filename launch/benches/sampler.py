@@ -79,6 +79,7 @@ def bench_sampler(args) -> dict:
         max_batch=B,
         decode_attention=args.decode_attention,
         sample_kernel={"auto": None, "on": True, "off": False}[args.sample_kernel],
+        gemm_autotune=args.gemm_autotune,
     )
     del model
     print(
@@ -333,6 +334,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--profile", action="store_true", help="roofline: GPU kernel time per decode step by kind"
+    )
+    p.add_argument(
+        "--gemm-autotune",
+        action="store_true",
+        help="GPU: XLA's autotuned GEMMs (trainer.gemm_autotune); default cuBLAS",
     )
     return p
 

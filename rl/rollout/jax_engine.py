@@ -149,6 +149,7 @@ class JaxEngine:
         sample_kernel: bool | None = None,
         fixed_slots: bool | None = None,
         warm: Warm | None = None,
+        gemm_autotune: bool = False,
     ):
         if update_mode not in UPDATE_MODES:
             raise ValueError(f"JaxEngine: update_mode {update_mode!r}; valid: {UPDATE_MODES}")
@@ -176,6 +177,7 @@ class JaxEngine:
             early_exit=self.early_exit,
             decode_attention=decode_attention,
             sample_kernel=sample_kernel,
+            gemm_autotune=gemm_autotune,
         )
         p = self.programs
         self.config, self.devices, self.rows = p.config, p.devices, p.rows  # rows: [C, ...]

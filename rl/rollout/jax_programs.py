@@ -15,8 +15,10 @@ token index), so a row's tokens do not depend on what it is batched with.
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.decode_attention import supported
 from models.kv_cache import KVCache, init_cache
+from rl import startup
 from rl.rollout import kernels, sample_kernel
 from rl.rollout.base import GenerationRequest
 from rl.rollout.layout import params_of_layout, serving_layout
@@ -107,6 +110,21 @@ class RowConstants:
         return (self.keys, self.temp, self.top_k, self.top_p, self.max_new, self.stop)
 
 
+WARM_THREADS = 8  # XLA compilations at a time in warm()
+
+
+def compile_all(lowered: list) -> list:
+    """Compiles lowered programs, concurrently on a thread per core this process may use (at
+    most WARM_THREADS): XLA compiles without holding the GIL, and a GPU's programs each take
+    about a second of host time however small."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = min(WARM_THREADS, cores or 1, len(lowered))
+    if n <= 1:
+        return [lo.compile() for lo in lowered]
+    with ThreadPoolExecutor(n, thread_name_prefix="warm-compile") as pool:
+        return list(pool.map(lambda lo: lo.compile(), lowered))
+
+
 class Programs:
     """The compiled programs of one JaxEngine on its `devices` (params replicated, rows split
     over them) and the weights they serve (`params`, in the serving layout)."""
@@ -120,6 +138,7 @@ class Programs:
         early_exit: bool,
         decode_attention: str = "auto",
         sample_kernel: bool | None = None,
+        gemm_autotune: bool = False,
     ):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(
@@ -167,18 +186,27 @@ class Programs:
         # range the unnormalized input's GEMM could exceed.
         self.fold_norms = self.ragged and not c.qk_norm and jnp.dtype(c.dtype) != jnp.float16
         rows, state = self.rows, self.state_rows
-        self.serve = jax.jit(self._serve_impl, out_shardings=self.replicated)
+        platform = self.devices[0].platform
+        opts = startup.gemm_options(gemm_autotune, platform)
+        self.serve = jax.jit(self._serve_impl, out_shardings=self.replicated, compiler_options=opts)
         self.prefill = jax.jit(
-            self._prefill_impl, static_argnums=(4,), out_shardings=(rows,) * 3 + (self.cache_rows,)
+            self._prefill_impl,
+            static_argnums=(4,),
+            out_shardings=(rows,) * 3 + (self.cache_rows,),
+            compiler_options=opts,
         )
-        self.insert = jax.jit(self._insert_impl, donate_argnums=(0,), out_shardings=state)
-        self.relayout = jax.jit(self._relayout_impl, static_argnums=(2, 3), out_shardings=state)
-        gpu = self.devices[0].platform == "gpu"
+        self.insert = jax.jit(
+            self._insert_impl, donate_argnums=(0,), out_shardings=state, compiler_options=opts
+        )
+        self.relayout = jax.jit(
+            self._relayout_impl, static_argnums=(2, 3), out_shardings=state, compiler_options=opts
+        )
+        decode_base = GPU_DECODE_OPTIONS if platform == "gpu" else None
         self.decode = jax.jit(
             self._decode_impl,
             static_argnums=(3,),
             donate_argnums=(1,),
-            compiler_options=dict(GPU_DECODE_OPTIONS) if gpu else None,
+            compiler_options=startup.gemm_options(gemm_autotune, platform, decode_base),
             out_shardings=(state,) + (rows,) * 3 + (self.replicated,),
         )
         self.params = self.serve(self.place(params))
@@ -369,24 +397,33 @@ class Programs:
         """Compiles what a scheduler on `slots` fixed slots runs for these cache lengths, prompt
         buckets and admission sizes: per cache length a decode chunk and the relayouts from the
         others, per prompt bucket (within the cache length) and admission size a prefill and
-        an insert; with `truncate` the prefills and decode chunks that truncate too. Returns
-        the programs traced."""
+        an insert; with `truncate` the prefills and decode chunks that truncate too. The
+        programs are lowered here and compiled concurrently (compile_all). Returns the
+        programs traced."""
         before, C = self.traces, slots
         modes = (False, True) if truncate else (False,)
         i32 = jax.ShapeDtypeStruct((C,), jnp.int32, sharding=self.rows)
+        Ts = sorted({T for T in prompt_lens if T <= max(cache_lens)})  # a prefill grows the
+        keys = [(b, T, t) for T in Ts for b in sorted(admissions) for t in modes]  # cache to T
+        lowered = [self.lower_prefill(b, T, t) for b, T, t in keys]
         for S in cache_lens:
-            state = self.abstract(C, S)
-            for t in modes:
-                self.lower_decode(C, S, t).compile()
+            lowered += [self.lower_decode(C, S, t) for t in modes]
             for other in cache_lens:
                 if other != S:
                     old = self.abstract(C, other)
-                    self.relayout.lower(old, i32, S, STOP_BUCKETS[0]).compile()
-            for T in (T for T in prompt_lens if T <= S):  # a prefill grows the cache to its bucket
+                    lowered.append(self.relayout.lower(old, i32, S, STOP_BUCKETS[0]))
+        compiled = compile_all(lowered)
+        prefill_out = {k: c.out_info for k, c in zip(keys, compiled)}  # what an insert takes
+        inserts = []
+        for S in cache_lens:
+            state = self.abstract(C, S)
+            for T in (T for T in Ts if T <= S):
                 for b in sorted(admissions):
-                    for t in modes:  # (outputs of the same shapes either way)
-                        tok, _, done, cache = self.lower_prefill(b, T, t).compile().out_info
+                    tok, _, done, cache = prefill_out[b, T, False]  # (the same either way)
                     _, lengths, *_, consts = self.abstract(b, T)
-                    self.insert.lower(state, lengths, tok, lengths, done, cache, consts).compile()
+                    inserts.append(
+                        self.insert.lower(state, lengths, tok, lengths, done, cache, consts)
+                    )
+        compile_all(inserts)
         self.warm_traces += self.traces - before
         return self.traces - before
