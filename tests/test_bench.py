@@ -242,3 +242,6 @@ def test_startup_bad_arguments_are_rejected(capsys, tmp_path):
     assert f"--baseline-dir {tmp_path}: no launch/train.py there" in capsys.readouterr().err
     assert bench.main(["startup", "--baseline-dir", ".", "--baseline-ref", "HEAD"]) == 2
     assert "give one of them" in capsys.readouterr().err
+    (tmp_path / "runs").mkdir()  # an earlier bench's work directory
+    assert bench.main(["startup", "--root", str(tmp_path)]) == 2
+    assert f"--root {tmp_path}: not empty" in capsys.readouterr().err

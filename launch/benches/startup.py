@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"--baseline-dir {args.baseline_dir}: no launch/train.py there", file=sys.stderr)
         return 2
+    if args.root and os.path.isdir(args.root) and os.listdir(args.root):
+        print(  # an earlier bench's runs would resume, its cache make the cold start warm
+            f"--root {args.root}: not empty; the bench needs a new or empty work directory",
+            file=sys.stderr,
+        )
+        return 2
     print_result(run(args))
     return 0
 
