@@ -223,6 +223,7 @@ class ProcessEngine:
         cache_len: int | None = None,
         hang_s: float | None = None,
         warm=None,
+        gemm_autotune: bool = False,
     ):
         if model is not None:
             config, params = model.config, Weights.of(model).flat()
@@ -250,6 +251,7 @@ class ProcessEngine:
             update_mode=update_mode,
             cache_len=cache_len,
             warm=warm,  # a replacement child warms too
+            gemm_autotune=gemm_autotune,
         )
         self._xla_flags = xla_flags
         self._newest: tuple[int, dict | None] = (version, params)  # what a replacement serves
