@@ -27,6 +27,7 @@ setup(
     extras_require={
         "dev": [
             "pytest",
+            "pytest-xdist",  # the slow tier's two workers (.ci/run)
             "ruff",
             "torch==2.13.0",
             "transformers",

@@ -89,8 +89,9 @@ class SkipPolicy:
     def _hardware(self, report) -> bool:
         """A `gpu` test skipped for hardware this machine lacks: no GPU at all, or fewer GPUs
         than it needs (the message of HARDWARE_SKIP); a `gpu` test skipped for anything else
-        on a GPU machine breaks the policy too."""
-        if report.nodeid not in self.gpu_tests:
+        on a GPU machine breaks the policy too. (Under xdist the workers collect: the report's
+        keywords say whether the test is a `gpu` one.)"""
+        if report.nodeid not in self.gpu_tests and "gpu" not in report.keywords:
             return False
         reason = _reason(report)
         short = HARDWARE_SKIP.search(reason)
@@ -184,6 +185,18 @@ class CoverageGate:
             )
             for path in self.unrun:
                 tr.line(f"  {os.path.relpath(path)}", red=True)
+
+
+# Modules that start a local Ray cluster: under xdist (`-n N --dist loadgroup`, the slow tier in
+# .ci/run) they share one worker, one cluster at a time; every other module stays whole on one
+# worker (its module-scoped vLLM hosts and models started once).
+RAY_MODULES = {"test_chaos", "test_ray_transport", "test_sweep"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
 
 
 def pytest_addoption(parser):
