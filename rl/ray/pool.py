@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -392,7 +393,8 @@ class WorkerPool:
                 durable = self.hf_weights
                 if self.direct:  # served: the hosts have it; the directory is written after
                     handle.set_served()
-                    durable = self._updates.empty()  # else the newer version queued is written
+                    with self._updates.mutex:  # else the newer version queued is written
+                        durable = all(item is None for item in self._updates.queue)
                     if durable:
                         write = self.param_server.write.remote(version, [ref])
                         out = {"weights": [ray.get(write, timeout=deadline + 30)]}
@@ -485,13 +487,23 @@ class WorkerPool:
         return None
 
     def close(self) -> None:
-        """Kills the workers; shuts Ray down if this object started it. Idempotent."""
+        """Finishes the weight updates queued (a run's last version is published, its HF
+        directory written), then kills the workers; shuts Ray down if this object started it.
+        Idempotent."""
         import ray
 
         if self._closed:
             return
         self._closed = True
         self._updates.put(None)
+        if self._updater is not None:  # each queued update waits at most its call's deadline
+            self._updater.join(timeout=self.call_deadline_s + 30)
+            if self._updater.is_alive():
+                print(
+                    f"rollout pool: a weight update still running after "
+                    f"{self.call_deadline_s + 30:.0f} s; closing without it",
+                    file=sys.stderr,
+                )
         if self.hf_weights:  # stop vLLM servers cleanly (a killed worker's die with it anyway)
             refs = [w.handle.shutdown.remote() for w in self.workers]
             ray.wait(refs, num_returns=len(refs), timeout=60)
