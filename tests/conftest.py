@@ -190,7 +190,7 @@ class CoverageGate:
 # Modules that start a local Ray cluster: under xdist (`-n N --dist loadgroup`, the slow tier in
 # .ci/run) they share one worker, one cluster at a time; every other module stays whole on one
 # worker (its module-scoped vLLM hosts and models started once).
-RAY_MODULES = {"test_chaos", "test_ray_transport", "test_sweep"}
+RAY_MODULES = {"test_chaos", "test_engine_contract", "test_ray_transport", "test_sweep"}
 
 
 def pytest_collection_modifyitems(config, items):
