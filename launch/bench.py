@@ -18,6 +18,7 @@ BENCHES = {
     "publish": ("launch.benches.publish", "weight publication against a plain copy"),
     "weight_sync": ("launch.benches.weight_sync", "vLLM weight sync: HF directory vs direct"),
     "startup": ("launch.benches.startup", "a job's start: cold and warm compilation cache"),
+    "layout": ("launch.benches.layout", "the learner's sharding plan on fake CPU devices"),
 }
 
 

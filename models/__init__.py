@@ -1,6 +1,6 @@
 """Tandem's model family (Qwen2 / Llama / Qwen3 in flax.nnx) and its Hugging Face interop."""
 
-from models.config import ModelConfig, qwen2_0p5b, qwen2_1p5b, tiny
+from models.config import ModelConfig, llama3_8b, qwen2_0p5b, qwen2_1p5b, tiny
 from models.hf import (
     from_hf_tensors,
     load_hf,
@@ -21,6 +21,7 @@ __all__ = [
     "create_model",
     "from_hf_tensors",
     "init_cache",
+    "llama3_8b",
     "load_hf",
     "logical_sharding",
     "make_mesh",

@@ -344,3 +344,25 @@ def qwen2_1p5b(**overrides) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def llama3_8b(**overrides) -> ModelConfig:
+    """The shapes of Llama-3-8B (untied, grouped-query attention, no q/k/v bias)."""
+    fields = dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)

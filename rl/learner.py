@@ -278,15 +278,48 @@ class Learner:
     ):
         """ckpt: the Checkpointer its save / restore go through (rl.checkpoint);
         gemm_autotune: trainer.gemm_autotune (XLA's autotuned GEMMs on a GPU)."""
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        graphdef, state = nnx.split((model, optimizer))
+        mesh = mesh if mesh is not None else msh.make_mesh(devices=jax.devices()[:1])
+        self._adopt(graphdef, state, model.config, mesh, step_cfg, version, ckpt, gemm_autotune)
+
+    @classmethod
+    def abstract(
+        cls,
+        config,
+        tx: optax.GradientTransformation,
+        *,
+        mesh,
+        step_cfg: StepConfig = StepConfig(),
+        gemm_autotune: bool = False,
+    ) -> Learner:
+        """A learner of `config`'s shapes on `mesh` whose state is shapes and shardings only,
+        nothing allocated: lower_update compiles its step for a model of any size on any mesh
+        (launch.bench layout's checks on fake devices). It cannot update."""
+        from models.transformer import Transformer
+
+        def build():
+            model = Transformer(config, rngs=nnx.Rngs(0))
+            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        graphdef, state = nnx.split(nnx.eval_shape(build))
+        shardings = msh.state_shardings(config, state, mesh)  # moments: their param's
+        state = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, shardings
+        )
+        learner = cls.__new__(cls)
+        learner._adopt(graphdef, state, config, mesh, step_cfg, 0, None, gemm_autotune)
+        return learner
+
+    def _adopt(self, graphdef, state, config, mesh, step_cfg, version, ckpt, gemm_autotune):
         self.ckpt = ckpt
-        self.mesh = mesh if mesh is not None else msh.make_mesh(devices=jax.devices()[:1])
+        self.mesh = mesh
         platform = self.mesh.devices.flat[0].platform
         self.compiler_options = startup.gemm_options(gemm_autotune, platform)
         self.step_cfg = step_cfg
         self.version = version
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        self.graphdef, state = nnx.split((model, optimizer))
-        self._native_segments = model.config.attention_impl == "cudnn"
+        self.graphdef = graphdef
+        self._native_segments = config.attention_impl == "cudnn"
         # Optimizer moments are zeros_like(param) and keep its sharding; scalars (step counts)
         # and anything left on a single device are replicated over the mesh.
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())

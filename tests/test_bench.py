@@ -245,3 +245,62 @@ def test_startup_bad_arguments_are_rejected(capsys, tmp_path):
     (tmp_path / "runs").mkdir()  # an earlier bench's work directory
     assert bench.main(["startup", "--root", str(tmp_path)]) == 2
     assert f"--root {tmp_path}: not empty" in capsys.readouterr().err
+
+
+def test_layout_reads_collectives_and_classifies_gathers():
+    """launch.bench layout's HLO reading: each collective's result shapes (async starts and
+    tuples too), and all-gathers sorted into whole matrices, norm vectors, one layer of a
+    stacked parameter, and the rest."""
+    from launch.benches import layout
+
+    hlo = "\n".join(
+        [
+            "  %ag = f32[28,1536,8960]{2,1,0} all-gather(f32[28,192,8960]{2,1,0} %p), dims={1}",
+            "  %ag.1 = bf16[1536,8960]{1,0} all-gather-start(bf16[192,8960]{1,0} %w)",
+            "  %ar = (f32[16,1024]{1,0}, f32[]) all-reduce(f32[16,1024]{1,0} %x, f32[] %y)",
+            "  %rs = f32[2,1536]{1,0} reduce-scatter(f32[16,1536]{1,0} %g), dimensions={0}",
+            "  %n = f32[1536]{0} all-gather(f32[192]{0} %norm), dimensions={0}",
+            "  %a = f32[16,1024,1536]{2,1,0} all-gather(f32[2,1024,1536]{2,1,0} %h)",
+            "  %m = f32[16,1024]{1,0} multiply(f32[16,1024]{1,0} %x, f32[16,1024]{1,0} %x)",
+        ]
+    )
+    ops = layout.collectives(hlo)
+    assert ops == [
+        ("all-gather", (28, 1536, 8960)),
+        ("all-gather", (1536, 8960)),
+        ("all-reduce", (16, 1024)),
+        ("all-reduce", ()),
+        ("reduce-scatter", (2, 1536)),
+        ("all-gather", (1536,)),
+        ("all-gather", (16, 1024, 1536)),
+    ]
+    params = [(28, 1536, 8960), (1536,), (151936, 1536)]
+    gathers = layout.classify_gathers([s for op, s in ops if op == "all-gather"], params, 28)
+    assert gathers == {
+        "whole_param": [(28, 1536, 8960)],
+        "vector_param": [(1536,)],
+        "layer_param": [(1536, 8960)],
+        "other": [(16, 1024, 1536)],
+    }
+    assert layout.mesh_shape("fsdp_tensor", 8, 2) == (1, 4, 2)
+    assert layout.mesh_shape("data", 4, 2) == (4, 1, 1)
+
+
+def test_layout_plan_shards_the_state_over_fsdp():
+    """The plan of the tiny model's update step on 4 fake devices (the test session's): under
+    fsdp each device holds a quarter of the float32 state and Adam moments (the stacked layers
+    split on their embed axis), under data parallelism all of it; gradients all-reduce."""
+    import argparse
+
+    from launch.benches import layout
+
+    args = argparse.Namespace(tensor=2, batch=8, seq=64)
+    cfg = common.model_config("tiny", dtype="float32", attention_impl="xla", remat="full")
+    data = layout.plan(cfg, "data", 4, args)
+    fsdp = layout.plan(cfg, "fsdp", 4, args)
+    assert data["mesh"] == "4x1x1" and fsdp["mesh"] == "1x4x1"
+    state = 3 * 4 * cfg.num_params  # params + two Adam moments, float32
+    assert data["state_gib"] * 2**30 >= state
+    assert fsdp["state_gib"] < data["state_gib"] / 3.5
+    assert data["collectives"]["all-reduce"] > 0 and data["gathers"]["whole_param"] == []
+    assert fsdp["peak_gib"] > fsdp["state_gib"] > 0

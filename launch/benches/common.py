@@ -12,7 +12,7 @@ import jax
 
 # Datasheet peaks: (dense bf16 FLOP/s, HBM bytes/s). The H200 is the H100 chip with more memory.
 DEVICE_PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
-PRESETS = ("tiny", "qwen2_0p5b", "qwen2_1p5b")
+PRESETS = ("tiny", "qwen2_0p5b", "qwen2_1p5b", "llama3_8b")
 
 
 def device_peaks(kind: str) -> tuple[float | None, float | None]:
