@@ -38,7 +38,7 @@ def segment_lengths(segment_ids_BT) -> np.ndarray:
     return out
 
 
-def _rows_only(x: jax.Array) -> jax.Array:
+def rows_only(x: jax.Array) -> jax.Array:
     """x sharded over its rows alone on the mesh in context (jax.set_mesh), if there is one."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -92,9 +92,9 @@ def attention(
     segments natively; otherwise the segments become a dense mask built here.
     """
     if implementation == "cudnn":  # its partitioner needs q, k, v sharded alike
-        q_BTNH, k_BTKH, v_BTKH = (_rows_only(x) for x in (q_BTNH, k_BTKH, v_BTKH))
+        q_BTNH, k_BTKH, v_BTKH = (rows_only(x) for x in (q_BTNH, k_BTKH, v_BTKH))
     if implementation == "cudnn" and segment_lengths is not None:
-        return _cudnn_segments(q_BTNH, k_BTKH, v_BTKH, _rows_only(segment_lengths))
+        return _cudnn_segments(q_BTNH, k_BTKH, v_BTKH, rows_only(segment_lengths))
     mask = None if segment_ids is None else segment_mask(segment_ids)
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, implementation=implementation

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models import decode_attention, decode_mlp
-from models.attention import attention
+from models.attention import attention, rows_only
 from models.config import ModelConfig
 from models.kv_cache import KVCache, write_slot, xla_decode_attention
 
@@ -425,10 +425,12 @@ class Transformer(nnx.Module):
             )
             return o, None
 
+        # The residual stream stays split by rows over the learner's batch axes (rows_only):
+        # under fsdp XLA then gathers each layer's weights, not every row's activations.
         def body(layer: DecoderLayer, x_BTD, _):
-            return layer(x_BTD, rope, attend)[0], None
+            return rows_only(layer(rows_only(x_BTD), rope, attend)[0]), None
 
-        x_BTD = self.model.embed_tokens(tokens)
+        x_BTD = rows_only(self.model.embed_tokens(tokens))
         x_BTD, _ = _scan_layers(self.model.layers, body, x_BTD, remat=self.config.remat)
         return self.model.norm(x_BTD)
 
