@@ -91,7 +91,7 @@ class SkipPolicy:
         than it needs (the message of HARDWARE_SKIP); a `gpu` test skipped for anything else
         on a GPU machine breaks the policy too. (Under xdist the workers collect: the report's
         keywords say whether the test is a `gpu` one.)"""
-        if report.nodeid not in self.gpu_tests and "gpu" not in report.keywords:
+        if report.nodeid not in self.gpu_tests and "gpu" not in getattr(report, "keywords", {}):
             return False
         reason = _reason(report)
         short = HARDWARE_SKIP.search(reason)
