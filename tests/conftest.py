@@ -8,10 +8,13 @@ With --coverage-gate (the fast tier: .ci/run, README), coverage.py measures rl/,
 launch/ in this process, from before any test module imports them, and the run fails naming
 each .py file of theirs that ran no line."""
 
+import atexit
 import io
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,10 +28,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # programs compile in many runs; loading one is the same executable, so only time changes).
 # .ci/run shares one between its two tiers; otherwise it is a directory of this session's.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
     _cache = tempfile.mkdtemp(prefix="tandem-test-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
@@ -131,35 +130,62 @@ class SkipPolicy:
 GATED = ("rl", "models", "launch")  # the packages every .py file of which the fast tier must run
 
 
+COVERAGE_DIR = "TANDEM_COVERAGE_DIR"  # where pytest-xdist workers leave their coverage data
+
+
 class CoverageGate:
     """Measures GATED with coverage.py from configure to session finish (this process only:
-    subprocesses are not measured); fails a passing run when a .py file of theirs ran no line."""
+    subprocesses are not measured); fails a passing run when a .py file of theirs ran no line.
+    Under pytest-xdist each worker measures and saves its data (`worker`), and the controller
+    (`combine`) joins them before the check."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, worker: str | None = None, combine: bool = False):
         try:
             import coverage
         except ImportError as e:
             raise pytest.UsageError(
                 "--coverage-gate needs coverage.py: python -m pip install coverage"
             ) from e
+        self.worker, self.combine, self.root = worker, combine, root
+        self.files = sorted(p for pkg in GATED for p in (root / pkg).rglob("*.py"))
+        self.unrun: list[Path] | None = None  # None: not checked (the run failed already)
+        self.percent = 0.0
+        if combine:  # the controller runs no test: its workers measure
+            return
         early = sorted(m for m in sys.modules if m.split(".")[0] in GATED)
         if early:  # their module-level lines would already have run, unmeasured
             raise pytest.UsageError(
                 f"--coverage-gate started after {', '.join(early)} had been imported; "
                 "nothing may import them before tests/conftest.py's pytest_configure"
             )
-        self.files = sorted(p for pkg in GATED for p in (root / pkg).rglob("*.py"))
+        data_file = (
+            None
+            if worker is None
+            else os.path.join(os.environ[COVERAGE_DIR], f".coverage.{worker}")
+        )
         self.cov = coverage.Coverage(
-            source=[str(root / pkg) for pkg in GATED], data_file=None, config_file=False
+            source=[str(root / pkg) for pkg in GATED], data_file=data_file, config_file=False
         )
         self.cov.start()
-        self.unrun: list[Path] | None = None  # None: not checked (the run failed already)
-        self.percent = 0.0
 
     def pytest_sessionfinish(self, session, exitstatus):
-        self.cov.stop()
+        if self.combine:
+            import coverage
+
+            self.cov = coverage.Coverage(
+                source=[str(self.root / pkg) for pkg in GATED],
+                data_file=os.path.join(os.environ[COVERAGE_DIR], ".coverage"),
+                config_file=False,
+            )
+        else:
+            self.cov.stop()
+            if self.worker is not None:
+                self.cov.save()  # the controller checks the workers' data together
+                return
         if exitstatus != pytest.ExitCode.OK:
             return  # an incomplete or failing run would list files its failures left unrun
+        if self.combine:
+            self.cov.combine([os.environ[COVERAGE_DIR]])
         data = self.cov.get_data()
         self.unrun = [p for p in self.files if not data.lines(str(p))]
         if self.unrun:
@@ -169,6 +195,8 @@ class CoverageGate:
 
     def pytest_terminal_summary(self, terminalreporter):
         tr = terminalreporter
+        if self.worker is not None:
+            return
         if self.unrun is None:
             tr.line("coverage gate: not checked (the run did not pass)")
         elif not self.unrun:
@@ -211,4 +239,10 @@ def pytest_configure(config):
     config.pluginmanager.register(SkipPolicy(), "tandem-skip-policy")
     if config.getoption("--coverage-gate"):
         root = Path(__file__).resolve().parent.parent
-        config.pluginmanager.register(CoverageGate(root), "tandem-coverage-gate")
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        combine = worker is None and bool(getattr(config.option, "numprocesses", None))
+        if combine:  # the xdist controller: the workers it starts inherit the directory
+            os.environ[COVERAGE_DIR] = tempfile.mkdtemp(prefix="tandem-coverage-")
+            atexit.register(shutil.rmtree, os.environ[COVERAGE_DIR], ignore_errors=True)
+        gate = CoverageGate(root, worker=worker, combine=combine)
+        config.pluginmanager.register(gate, "tandem-coverage-gate")

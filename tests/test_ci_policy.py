@@ -58,7 +58,7 @@ FILES = {
 }
 
 
-def _pytest(tmp_path: Path, *files: str, fake_gpu: bool = False) -> tuple[int, str]:
+def _pytest(tmp_path: Path, *files: str, fake_gpu: bool = False, args=()) -> tuple[int, str]:
     conftest = (TESTS / "conftest.py").read_text()
     if fake_gpu:  # the copy believes it runs on a GPU machine: `gpu` tests are not skipped
         head = "def no_gpu_reason() -> str | None:\n"
@@ -72,7 +72,7 @@ def _pytest(tmp_path: Path, *files: str, fake_gpu: bool = False) -> tuple[int, s
         os.environ, JAX_PLATFORMS="cpu", PYTEST_ADDOPTS="", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", *files],
+        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", *args, *files],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -122,3 +122,16 @@ def test_on_a_fake_gpu_machine_a_gpu_test_may_skip_only_for_missing_gpus(tmp_pat
     assert "1 test(s) skipped or xfailed" in policy, out
     assert "test_gpu_skips.py::test_skips_for_another_reason" in policy, out
     assert "test_needs_more_gpus" not in policy, out
+
+
+def test_the_policy_holds_on_xdist_workers(tmp_path):
+    """The slow tier's two pytest-xdist workers: the workers collect and run, the controller
+    judges their reports; the `gpu` skip passes, any other skip still fails the run."""
+    code, out = _pytest(tmp_path, "test_fine.py", "test_skips.py", args=("-p", "xdist", "-n", "2"))
+    print(out)
+    assert code == 1, out
+    policy = out[out.index("skip policy violated") :]
+    assert "2 test(s) skipped or xfailed" in policy, out
+    assert "test_skips.py::test_skips_unmarked" in policy, out
+    assert "test_skips.py::test_xfails: xfail: flaky" in policy, out
+    assert "test_on_a_gpu" not in policy, out
