@@ -207,8 +207,8 @@ class CoverageGate:
         else:
             tr.section("coverage gate failed", sep="=", red=True, bold=True)
             tr.line(
-                f"{len(self.unrun)} .py file(s) of rl/, models/, launch/ ran no line in this "
-                "process; import and exercise each from a test of this tier:",
+                f"{len(self.unrun)} .py file(s) of rl/, models/, launch/ ran no line in the "
+                "tests' processes; import and exercise each from a test of this tier:",
                 red=True,
             )
             for path in self.unrun:
