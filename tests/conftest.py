@@ -141,7 +141,7 @@ class CoverageGate:
 
     def __init__(self, root: Path, *, worker: str | None = None, combine: bool = False):
         try:
-            import coverage
+            import coverage  # noqa: F401 - a clear error before any test runs
         except ImportError as e:
             raise pytest.UsageError(
                 "--coverage-gate needs coverage.py: python -m pip install coverage"
@@ -163,20 +163,18 @@ class CoverageGate:
             if worker is None
             else os.path.join(os.environ[COVERAGE_DIR], f".coverage.{worker}")
         )
-        self.cov = coverage.Coverage(
-            source=[str(root / pkg) for pkg in GATED], data_file=data_file, config_file=False
-        )
+        self.cov = self._coverage(data_file)
         self.cov.start()
+
+    def _coverage(self, data_file: str | None):
+        import coverage
+
+        source = [str(self.root / pkg) for pkg in GATED]
+        return coverage.Coverage(source=source, data_file=data_file, config_file=False)
 
     def pytest_sessionfinish(self, session, exitstatus):
         if self.combine:
-            import coverage
-
-            self.cov = coverage.Coverage(
-                source=[str(self.root / pkg) for pkg in GATED],
-                data_file=os.path.join(os.environ[COVERAGE_DIR], ".coverage"),
-                config_file=False,
-            )
+            self.cov = self._coverage(os.path.join(os.environ[COVERAGE_DIR], ".coverage"))
         else:
             self.cov.stop()
             if self.worker is not None:

@@ -95,7 +95,6 @@ def plan(cfg, layout: str, n: int, args) -> dict:
     row = {
         "mesh": f"{data}x{fsdp}x{tensor}",
         "state_gib": state_bytes / gib,
-        "arguments_gib": mem.argument_size_in_bytes / gib,
         "temp_gib": mem.temp_size_in_bytes / gib,
         "peak_gib": (
             mem.argument_size_in_bytes
